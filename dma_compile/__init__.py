@@ -1,0 +1,38 @@
+"""dma-compile: Diagonal-Tiled Mixed-Precision Attention (DMA) for PyTorch.
+
+`dma_attention` is a drop-in for `scaled_dot_product_attention` that runs QK^T
+in MXFP8 on the sink and diagonal tiles of the score matrix and in MXFP4 (or
+another format the policy names) elsewhere. `torch.compile(model,
+backend="dma")` rewrites a model's SDPA calls into it.
+"""
+
+from dma_compile.formats import quantize_mx
+from dma_compile.ops import dma_attention
+from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
+
+__version__ = "0.1.0"
+
+# Heavier layers load on first use, so `import dma_compile` stays cheap.
+_LAZY = {
+    "dma_backend": "dma_compile.backend",
+    "install_inductor_pass": "dma_compile.backend",
+    "calibrate": "dma_compile.calibrate",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dma_compile' has no attribute {name!r}")
+
+
+__all__ = [
+    "AttentionPolicy",
+    "ModelPolicy",
+    "default_policy",
+    "dma_attention",
+    "quantize_mx",
+    *_LAZY,
+]

@@ -1,0 +1,134 @@
+"""Reference DMA attention: the exact math of the method in plain PyTorch.
+
+This module defines the semantics (docs/semantics.md) that every kernel is
+tested against. It materialises the whole score matrix, so it is meant for
+tests, calibration and CPU runs, not for speed. With both formats "none" it is
+exact attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dma_compile.formats import E4M3, fake_quantize, rceil_exponent, round_to_element
+from dma_compile.policy import AttentionPolicy
+
+# P is multiplied by 2^8 before its e4m3 cast so that it uses e4m3's normal
+# range ([2^-6, 448]) instead of flushing small probabilities to zero.
+P_FP8_SCALE = 256.0
+
+
+def diagonal_offset(lq: int, lk: int, is_causal: bool) -> int:
+    """Key position of query 0's diagonal: top-left for is_causal (as SDPA),
+    bottom-right otherwise (KV-cache prefill and decode)."""
+    return 0 if is_causal else lk - lq
+
+
+def diagonal_band(q_tile: int, lq: int, lk: int, tile: int, diag_tiles: int, is_causal: bool) -> tuple[int, int]:
+    """First and last key tile of query tile `q_tile`'s diagonal band."""
+    offset = diagonal_offset(lq, lk, is_causal)
+    first_row = q_tile * tile
+    last_row = min((q_tile + 1) * tile, lq) - 1
+    return (first_row + offset) // tile - (diag_tiles - 1), (last_row + offset) // tile + (diag_tiles - 1)
+
+
+def key_tile_is_high(lq: int, lk: int, policy: AttentionPolicy, is_causal: bool) -> torch.Tensor:
+    """Bool (n_q_tiles, n_k_tiles): True where a tile runs in the high format."""
+    t = policy.tile
+    n_q, n_k = -(-lq // t), -(-lk // t)
+    j = torch.arange(n_k)
+    bands = torch.tensor([diagonal_band(i, lq, lk, t, policy.diag_tiles, is_causal) for i in range(n_q)])
+    bands = bands.reshape(n_q, 2)
+    in_band = (j[None, :] >= bands[:, :1]) & (j[None, :] <= bands[:, 1:])
+    return in_band | (j[None, :] < policy.sink_tiles)
+
+
+def quantize_operand(x: torch.Tensor, fmt: str, policy: AttentionPolicy, input_dtype: torch.dtype) -> torch.Tensor:
+    """Q or K as the tile format sees it, in float32 (float64 stays float64 for "none")."""
+    if fmt == "none":
+        return x.to(input_dtype).to(x.dtype)
+    return fake_quantize(x, fmt, policy.scale_rule, folded=policy.mx_mode == "folded").to(x.dtype)
+
+
+def _mask_bias(attn_mask: torch.Tensor | None, is_causal: bool, lq: int, lk: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """Additive mask broadcastable to (B, H, Lq, Lk), -inf where masked; None if nothing is masked."""
+    bias = None
+    if is_causal:
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+        bias = torch.zeros(lq, lk, dtype=dtype, device=device).masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            extra = torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill(~attn_mask, float("-inf"))
+        else:
+            extra = attn_mask.to(dtype)
+        bias = extra if bias is None else bias + extra
+    return bias
+
+
+def fp8_value_scale(v: torch.Tensor) -> torch.Tensor:
+    """Per (batch, head, channel) power-of-two scale for e4m3 V: the smallest
+    with amax / scale <= 448, amax over all keys (1 for all-zero channels)."""
+    amax = v.float().abs().amax(dim=-2, keepdim=True)
+    exp = rceil_exponent(torch.where(amax > 0, amax, torch.full_like(amax, E4M3.max_normal)), E4M3.max_normal)
+    return torch.where(torch.isnan(amax), amax, torch.ldexp(torch.ones_like(amax), exp.float()))
+
+
+def dma_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    policy: AttentionPolicy | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """DMA attention with SDPA's interface; returns a tensor of q's dtype."""
+    policy = policy if policy is not None else AttentionPolicy()
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    input_dtype = q.dtype
+
+    kc = k.to(compute_dtype)
+    if policy.smooth_k:
+        kc = kc - k.float().mean(dim=-2, keepdim=True).to(compute_dtype)
+    qc = q.to(compute_dtype)
+
+    # Scores of each format used, then pick per tile. Quantization is per
+    # token, so it commutes with the GQA head expansion done afterwards.
+    group = hq // hkv
+    high = key_tile_is_high(lq, lk, policy, is_causal).to(q.device)
+    high = high.repeat_interleave(policy.tile, 0)[:lq].repeat_interleave(policy.tile, 1)[:, :lk]
+    scores = None
+    for fmt in policy.formats:
+        qf = quantize_operand(qc, fmt, policy, input_dtype)
+        kf = quantize_operand(kc, fmt, policy, k.dtype).repeat_interleave(group, dim=1)
+        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+        if scores is None:
+            scores = s
+        else:
+            scores = torch.where(high, scores, s)
+
+    bias = _mask_bias(attn_mask, is_causal, lq, lk, compute_dtype, q.device)
+    if bias is not None:
+        scores = scores + bias
+    row_max = scores.amax(dim=-1, keepdim=True)
+    # Rows with every key masked output zeros, as SDPA does.
+    row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
+    p = torch.exp(scores - row_max)
+    row_sum = p.sum(dim=-1, keepdim=True)
+
+    vc = v.to(compute_dtype)
+    if policy.pv == "fp8":
+        v_scale = fp8_value_scale(v).to(compute_dtype)
+        v8 = round_to_element(vc / v_scale, E4M3).to(compute_dtype)
+        p8 = round_to_element(p * P_FP8_SCALE, E4M3).to(compute_dtype)
+        out = torch.matmul(p8, v8.repeat_interleave(group, dim=1)) * (v_scale.repeat_interleave(group, dim=1) / P_FP8_SCALE)
+    else:
+        pr = p.to(v.dtype).to(compute_dtype)
+        out = torch.matmul(pr, vc.repeat_interleave(group, dim=1))
+    out = torch.where(row_sum == 0, torch.zeros_like(out), out / row_sum)
+    return out.to(input_dtype)

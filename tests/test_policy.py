@@ -1,0 +1,105 @@
+"""AttentionPolicy and ModelPolicy: validation, string and JSON round-trips."""
+
+import json
+
+import pytest
+
+from dma_compile.policy import PRESETS, AttentionPolicy, ModelPolicy, as_model_policy, default_policy
+
+
+def test_default_is_the_paper_configuration():
+    p = AttentionPolicy()
+    assert (p.tile, p.sink_tiles, p.diag_tiles, p.hi, p.lo, p.pv) == (128, 1, 1, "mxfp8_e4m3", "mxfp4_e2m1", "input")
+    assert AttentionPolicy.paper() == p
+    assert default_policy("cpu") == p
+
+
+def test_hopper_preset():
+    p = AttentionPolicy.hopper()
+    assert (p.hi, p.lo, p.mx_mode) == ("none", "mxfp8_e4m3", "folded")
+
+
+@pytest.mark.parametrize(
+    "field,value,accepted",
+    [
+        ("tile", 100, "tile must be one of"),
+        ("sink_tiles", -1, "sink_tiles must be an int >= 0"),
+        ("diag_tiles", 0, "diag_tiles must be an int >= 1"),
+        ("hi", "fp8", "hi must be one of"),
+        ("lo", "mxfp6", "lo must be one of"),
+        ("pv", "bf16", "pv must be one of"),
+        ("mx_mode", "fast", "mx_mode must be one of"),
+        ("scale_rule", "ceil", "scale_rule must be one of"),
+        ("min_q_len", 0, "min_q_len must be an int >= 1"),
+        ("smooth_k", "yes", "smooth_k must be one of"),
+    ],
+)
+def test_validation_names_field_and_accepted_values(field, value, accepted):
+    with pytest.raises(ValueError, match=accepted):
+        AttentionPolicy(**{field: value})
+
+
+def test_policy_is_immutable():
+    with pytest.raises(Exception):
+        AttentionPolicy().tile = 64
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_string_round_trip(name):
+    p = AttentionPolicy.preset(name).replace(tile=64, sink_tiles=2, diag_tiles=3, pv="fp8", min_q_len=5)
+    s = p.to_string()
+    assert AttentionPolicy.from_string(s) == p
+    assert str(p) == s and "," in s and " " not in s
+
+
+def test_string_partial_keys_and_presets():
+    assert AttentionPolicy.from_string("diag=4") == AttentionPolicy(diag_tiles=4)
+    assert AttentionPolicy.from_string("hopper") == AttentionPolicy.hopper()
+
+
+@pytest.mark.parametrize("text,msg", [("tile=abc", "integer"), ("foo=1", "expected key=value"), ("smooth=2", "0 or 1"), ("hi=int8", "hi must be one of")])
+def test_bad_strings(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        AttentionPolicy.from_string(text)
+
+
+def test_model_policy_json_round_trip(tmp_path):
+    mp = ModelPolicy(
+        default=AttentionPolicy.hopper(),
+        layers={0: AttentionPolicy(diag_tiles=2), 3: AttentionPolicy.preset("all_mxfp8")},
+        num_layers=4,
+        stats={"layer_errors": [0.1, 0.2]},
+    )
+    path = tmp_path / "p.json"
+    mp.save(path)
+    loaded = ModelPolicy.load(path)
+    assert loaded == mp
+    assert loaded.for_layer(3) == AttentionPolicy.preset("all_mxfp8")
+    assert loaded.for_layer(1) == AttentionPolicy.hopper()
+    assert json.loads(path.read_text())["layers"]["0"] == AttentionPolicy(diag_tiles=2).to_string()
+    assert as_model_policy(str(path)) == mp
+
+
+def test_model_policy_errors(tmp_path):
+    with pytest.raises(ValueError, match="layer indices"):
+        ModelPolicy(layers={5: AttentionPolicy()}, num_layers=4)
+    with pytest.raises(ValueError, match="calibrated for a model with 4"):
+        ModelPolicy(num_layers=4).check_layers(30)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelPolicy.load(bad)
+    with pytest.raises(ValueError, match="cannot be read"):
+        ModelPolicy.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="ModelPolicy, an AttentionPolicy"):
+        as_model_policy(3)
+
+
+def test_formats_property():
+    assert AttentionPolicy.preset("all_mxfp8").formats == ("mxfp8_e4m3",)
+    assert AttentionPolicy().formats == ("mxfp8_e4m3", "mxfp4_e2m1")
+    assert not AttentionPolicy.preset("exact").uses_mx
+
+
+def test_policy_hashable_for_caches():
+    assert len({AttentionPolicy(), AttentionPolicy(), AttentionPolicy.hopper()}) == 2
