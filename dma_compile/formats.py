@@ -117,12 +117,13 @@ def scale_exponents(x: torch.Tensor, fmt: str, scale_rule: str = "rceil") -> tor
 
 def rceil_exponent(amax: torch.Tensor, max_normal: float) -> torch.Tensor:
     """Smallest integer k with amax <= max_normal * 2^k, for finite amax > 0."""
-    floor_log2 = torch.frexp(amax.float())[1] - 1
-    # With E, F the binade exponents of amax and max_normal, k is E - F or
-    # E - F + 1; the comparison is exact in float64.
-    k = floor_log2 - (math.frexp(max_normal)[1] - 1)
-    limit = torch.ldexp(torch.full_like(amax, max_normal, dtype=torch.float64), k.double())
-    return torch.where(amax.double() <= limit, k, k + 1).to(torch.int32)
+    # With amax = a * 2^E and max_normal = m * 2^F (a, m in [0.5, 1)), k is
+    # E - F when a <= m and E - F + 1 otherwise: a comparison of mantissas,
+    # exact on every device.
+    mant, exp = torch.frexp(amax.float())
+    max_mant, max_exp = math.frexp(max_normal)
+    k = exp - max_exp
+    return torch.where(mant <= max_mant, k, k + 1).to(torch.int32)
 
 
 def _pack_e2m1(values: torch.Tensor) -> torch.Tensor:
