@@ -1,0 +1,11 @@
+"""Triton kernels behind `torch.ops.dma.attention` (imported lazily by ops.py).
+
+`quantize` is the fused quantization pass over Q, K and V, `masks` classifies
+explicit attention masks into blocks, `attention_sm90` is the Hopper kernel.
+A kernel that cannot serve a call raises `Unsupported`; `impl="auto"` then
+falls back to the reference.
+"""
+
+
+class Unsupported(ValueError):
+    """The kernel cannot serve this call (the message says why)."""

@@ -1,0 +1,641 @@
+"""Blackwell (sm_100) DMA attention: QK^T on block-scaled tensor cores.
+
+The structure is the Hopper kernel's (`attention_sm90`): each program owns
+BLOCK_M query rows of one (batch, head); BLOCK_M and BLOCK_N divide the
+policy's tile, so a block never straddles two precision tiles, and each class
+walks its key ranges (sink and diagonal band in the high format, the rest in
+the low one; docs/semantics.md) in one loop without masking and one with
+(causal, key tail, partial blocks of an explicit mask, read only there). What
+differs is QK^T, chosen per class at compile time:
+
+- MX, mx_mode "exact": `tl.dot_scaled` on the payloads and E8M0 scales that
+  `quantize_mx` writes, which Triton lowers to tcgen05.mma kind::mxf8f6f4 /
+  kind::mxf4 with block scales on sm_100 when BLOCK_M is 128 (tile >= 128),
+  and to an exact bf16 emulation otherwise (smaller tiles, older GPUs);
+- MX, mx_mode "folded": e4m3 payloads and one power of two per token
+  (`quantize.quantize_tokens`), an fp8 `tl.dot` scaled per row and column;
+- "none": `tl.dot` in the input dtype (fp32 inputs: full fp32, no tf32).
+
+Softmax is online in fp32 with exp2; P·V runs in V's dtype or in e4m3 with
+V's per-channel scales. `compile_sm100` compiles the kernel for an sm_100
+target without a GPU, so its PTX can be checked where there is no B200.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dma_compile.kernels import Unsupported
+from dma_compile.kernels.attention_sm90 import _collapse_expanded_heads, _intersect
+from dma_compile.kernels.masks import CELL, classify_mask
+from dma_compile.kernels.quantize import (
+    HW_CVT,
+    INTERPRET,
+    _pow2_wide,
+    _to_dtype,
+    _to_e4m3,
+    _to_f32,
+    kv_statistics,
+    quantize_tokens,
+    quantize_values_fp8,
+)
+from dma_compile.kernels.quantize_mx import quantize_payloads
+from dma_compile.policy import AttentionPolicy
+
+LOG2E = 1.4426950408889634
+
+# How a precision class computes QK^T (constexpr KIND in the kernel).
+KIND_NONE, KIND_MX, KIND_FOLDED = 0, 1, 2
+# tl.dot_scaled's names of the element formats.
+DOT_SCALED_FORMAT = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4_e2m1": "e2m1"}
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
+HEAD_DIMS = (16, 32, 64, 128, 256)
+TRITON_VERSION = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:2])
+# Triton 3.6 fails to compile a zero-initialised tl.dot_scaled in a loop for
+# sm_100 (3.9 does not): older versions get a zero it cannot see (see _qk).
+RUNTIME_ZERO_ACC = TRITON_VERSION < (3, 9)
+
+
+@triton.jit
+def _dot_input(a, b, HW_CVT: tl.constexpr):
+    """a @ b in fp32 for operands in the input dtype; fp32 operands stay fp32
+    (no tf32). The interpreter cannot multiply bf16: it gets exact fp32 copies."""
+    if not HW_CVT:
+        r = tl.dot(_to_f32(a, HW_CVT), _to_f32(b, HW_CVT), input_precision="ieee")
+    elif a.dtype == tl.float32:
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _load_q(Q, QS, s_l, offs_m, row_ok, D: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr):
+    """One class's Q block: values or payload [BLOCK_M, width] and its scales:
+    E8M0 [BLOCK_M, DK // 32] (KIND 1), per-row powers of two (KIND 2), or none.
+    Q and QS point at this (batch, head)."""
+    # MXFP4 MMAs reduce over at least 64 elements: a head_dim of 32 is padded
+    # with zero elements of scale 1, which add nothing.
+    PAD: tl.constexpr = (KIND == 1) & (FMT == "e2m1") & (D < 64)
+    DK: tl.constexpr = 64 if PAD else D
+    W: tl.constexpr = DK // 2 if FMT == "e2m1" else DK
+    w = tl.arange(0, W)
+    ok = row_ok[:, None] & (w[None, :] < D // 2) if PAD else row_ok[:, None]
+    q = tl.load(Q + offs_m[:, None].to(tl.int64) * s_l + w[None, :], mask=ok, other=0)
+    if KIND == 1:
+        nb = tl.arange(0, DK // 32)
+        ok = row_ok[:, None] & (nb[None, :] < D // 32) if PAD else row_ok[:, None]
+        # Rows past Lq get scale 1 (127): their payload is zero and they are never stored.
+        qs = tl.load(QS + offs_m[:, None].to(tl.int64) * (D // 32) + nb[None, :], mask=ok, other=127)
+    elif KIND == 2:
+        q = q.to(tl.float8e4nv, bitcast=True)
+        qs = _pow2_wide(tl.load(QS + offs_m, mask=row_ok, other=0))
+    else:
+        qs = 0.0
+    return q, qs
+
+
+@triton.jit
+def _qk(q, qs, K, KS, s_l, offs_n, key_ok, zero,
+        D: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr,
+        RUNTIME_ZERO_ACC: tl.constexpr, HW_CVT: tl.constexpr):
+    """Unscaled scores Q_c K_c^T [BLOCK_M, BLOCK_N] in fp32 for one key block."""
+    PAD: tl.constexpr = (KIND == 1) & (FMT == "e2m1") & (D < 64)
+    DK: tl.constexpr = 64 if PAD else D
+    W: tl.constexpr = DK // 2 if FMT == "e2m1" else DK
+    w = tl.arange(0, W)
+    # K^T [W, BLOCK_N]; e2m1 stays packed along the reduction dimension.
+    k_ptrs = K + offs_n[None, :].to(tl.int64) * s_l + w[:, None]
+    if PAD:
+        kt = tl.load(k_ptrs, mask=key_ok[None, :] & (w[:, None] < D // 2), other=0)
+    elif MASKED:
+        kt = tl.load(k_ptrs, mask=key_ok[None, :], other=0)
+    else:
+        kt = tl.load(k_ptrs)
+    if KIND == 1:
+        nb = tl.arange(0, DK // 32)
+        ks_ptrs = KS + offs_n[:, None].to(tl.int64) * (D // 32) + nb[None, :]
+        if PAD:
+            ks = tl.load(ks_ptrs, mask=key_ok[:, None] & (nb[None, :] < D // 32), other=127)
+        elif MASKED:
+            ks = tl.load(ks_ptrs, mask=key_ok[:, None], other=127)
+        else:
+            ks = tl.load(ks_ptrs)
+        if RUNTIME_ZERO_ACC:
+            s = tl.dot_scaled(q, qs, FMT, kt, ks, FMT, acc=tl.zeros([q.shape[0], offs_n.shape[0]], tl.float32) + zero)
+        else:
+            s = tl.dot_scaled(q, qs, FMT, kt, ks, FMT)
+    elif KIND == 2:
+        if MASKED:
+            ka = tl.load(KS + offs_n, mask=key_ok, other=0)
+        else:
+            ka = tl.load(KS + offs_n)
+        s = tl.dot(q, kt.to(tl.float8e4nv, bitcast=True)) * qs[:, None] * _pow2_wide(ka)[None, :]
+    else:
+        s = _dot_input(q, kt, HW_CVT)
+    return s
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale,
+    K, KS, sk_l, V, sv_l, sv_d, MASK, sm_q, sm_k, Lk,
+    r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e,
+    BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PV_FP8: tl.constexpr,
+    RUNTIME_ZERO_ACC: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """Online softmax and P·V over the key blocks of up to four [start, end) ranges of one class."""
+    dv = tl.arange(0, DV)
+    arange_n = tl.arange(0, BLOCK_N)
+    n0 = tl.cdiv(r0e - r0s, BLOCK_N)
+    n1 = tl.cdiv(r1e - r1s, BLOCK_N)
+    n2 = tl.cdiv(r2e - r2s, BLOCK_N)
+    n3 = tl.cdiv(r3e - r3s, BLOCK_N)
+    # Only Triton < 3.9 reads it (see _qk); a product with 0.0 is not folded away.
+    zero = qk_scale * 0.0
+    for i in range(0, n0 + n1 + n2 + n3):
+        j1 = i - n0
+        j2 = j1 - n1
+        j3 = j2 - n2
+        start = tl.where(j1 < 0, r0s + i * BLOCK_N, r1s + j1 * BLOCK_N)
+        start = tl.where(j2 < 0, start, r2s + j2 * BLOCK_N)
+        start = tl.where(j3 < 0, start, r3s + j3 * BLOCK_N)
+        start = tl.multiple_of(start, BLOCK_N)
+        offs_n = start + arange_n
+        key_ok = offs_n < Lk
+        s = _qk(q, qs, K, KS, sk_l, offs_n, key_ok, zero, D, KIND, FMT, MASKED, RUNTIME_ZERO_ACC, HW_CVT)
+        s = s * qk_scale
+        if MASKED:
+            keep = key_ok[None, :]
+            if IS_CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            if MASK_KIND != 0:
+                m_ptrs = MASK + offs_m[:, None].to(tl.int64) * sm_q + offs_n[None, :].to(tl.int64) * sm_k
+                m_ok = row_ok[:, None] & key_ok[None, :]
+                if MASK_KIND == 1:
+                    keep = keep & (tl.load(m_ptrs, mask=m_ok, other=0) != 0)
+                else:
+                    s = s + _to_f32(tl.load(m_ptrs, mask=m_ok, other=0.0), HW_CVT) * 1.4426950408889634
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with nothing attended so far keeps max -inf: subtract 0 there (p = 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v_ptrs = V + offs_n[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d
+        if MASKED:
+            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if PV_FP8:
+            acc = tl.dot(_to_e4m3(p * 256.0, HW_CVT), v, acc)
+        else:
+            acc += _dot_input(_to_dtype(p, V.dtype.element_ty, HW_CVT), v, HW_CVT)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dma_attention_sm100_kernel(
+    QH, sqh_b, sqh_h, sqh_l, QHS,
+    KH, skh_b, skh_h, skh_l, KHS,
+    QL, sql_b, sql_h, sql_l, QLS,
+    KL, skl_b, skl_h, skl_l, KLS,
+    V, sv_b, sv_h, sv_l, sv_d, VSCALE,
+    O, so_b, so_h, so_l,
+    MASK, sm_b, sm_h, sm_q, sm_k,
+    SUMM, ss_b, ss_h, ss_r,
+    qk_scale, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES,
+    TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    HI_KIND: tl.constexpr, HI_FMT: tl.constexpr, LO_KIND: tl.constexpr, LO_FMT: tl.constexpr,
+    ONE_CLASS: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PV_FP8: tl.constexpr,
+    CELL: tl.constexpr, RUNTIME_ZERO_ACC: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    tl.static_assert(TILE % BLOCK_M == 0)
+    tl.static_assert(TILE % BLOCK_N == 0)
+    # Longest rows first: with causal masking the last query blocks do the most work.
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // (Hq // Hk)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < Lq
+
+    # Keys [kv_start, kv_end) are not fully masked for some row of the block;
+    # [u_lo, u_hi) needs no masking for any row. Both are block aligned except
+    # kv_end, which the masking loops handle.
+    kv_start = 0
+    kv_end = Lk
+    u_lo = 0
+    u_hi = (Lk // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        kv_end = tl.minimum(Lk, m0 + BLOCK_M)
+        u_hi = tl.minimum(u_hi, ((m0 + 1) // BLOCK_N) * BLOCK_N)
+    if MASK_KIND != 0:
+        cells = m0 // CELL + tl.arange(0, BLOCK_M // CELL)
+        cell_ok = cells * CELL < Lq
+        summary = SUMM + b64 * ss_b + h64 * ss_h + cells * ss_r
+        big = Lk // CELL + 1
+        ns_lo = tl.min(tl.load(summary, mask=cell_ok, other=big), 0)
+        ns_hi = tl.max(tl.load(summary + 1, mask=cell_ok, other=0), 0)
+        f_lo = tl.max(tl.load(summary + 2, mask=cell_ok, other=0), 0)
+        f_hi = tl.min(tl.load(summary + 3, mask=cell_ok, other=big), 0)
+        kv_start = ((ns_lo * CELL) // BLOCK_N) * BLOCK_N
+        kv_end = tl.minimum(kv_end, ns_hi * CELL)
+        u_lo = tl.cdiv(f_lo * CELL, BLOCK_N) * BLOCK_N
+        u_hi = tl.minimum(u_hi, ((f_hi * CELL) // BLOCK_N) * BLOCK_N)
+    kv_end = tl.maximum(kv_end, kv_start)
+    u_lo = tl.minimum(tl.maximum(u_lo, kv_start), kv_end)
+    u_hi = tl.maximum(tl.minimum(u_hi, (kv_end // BLOCK_N) * BLOCK_N), u_lo)
+
+    # The high format runs on [0, sink_end) and [band_s, band_e), the low one elsewhere.
+    if ONE_CLASS:
+        sink_end = 0
+        band_s = 0
+        band_e = 0
+    else:
+        q_first = (m0 // TILE) * TILE
+        q_last = tl.minimum(q_first + TILE, Lq) - 1
+        if IS_CAUSAL:
+            offset = 0
+        else:
+            offset = Lk - Lq
+        # Shifted by a multiple of TILE so that // floors a non-negative number.
+        pad = tl.cdiv(Lq, TILE) * TILE
+        band_lo = (q_first + offset + pad) // TILE - pad // TILE - (DIAG_TILES - 1)
+        band_hi = (q_last + offset + pad) // TILE - pad // TILE + (DIAG_TILES - 1)
+        sink_end = SINK_TILES * TILE
+        band_s = tl.maximum(band_lo * TILE, sink_end)
+        band_e = tl.maximum((band_hi + 1) * TILE, band_s)
+
+    acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    v_base = V + b64 * sv_b + hk64 * sv_h
+    mask_base = MASK + b64 * sm_b + h64 * sm_h
+    # MX scales (D // 32 per token) and folded exponents (one per token) are contiguous.
+    LO_SW: tl.constexpr = D // 32 if LO_KIND == 1 else 1
+    HI_SW: tl.constexpr = D // 32 if HI_KIND == 1 else 1
+    q_tokens = pid_bh.to(tl.int64) * Lq
+    k_tokens = (b64 * Hk + hk64) * Lk
+
+    # Low format: [sink_end, band_s) and [band_e, kv_end).
+    lo0s, lo0e = _intersect(sink_end, band_s, kv_start, kv_end)
+    lo1s, lo1e = _intersect(band_e, kv_end, kv_start, kv_end)
+    q, qs = _load_q(QL + b64 * sql_b + h64 * sql_h, QLS + q_tokens * LO_SW, sql_l, offs_m, row_ok,
+                    D, LO_KIND, LO_FMT)
+    k_base = KL + b64 * skl_b + hk64 * skl_h
+    ks_base = KLS + k_tokens * LO_SW
+    a0, a1 = _intersect(lo0s, lo0e, u_lo, u_hi)
+    b0, b1 = _intersect(lo1s, lo1e, u_lo, u_hi)
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skl_l, v_base, sv_l, sv_d,
+        mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
+        BLOCK_N, D, DV, LO_KIND, LO_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
+    a0, a1 = _intersect(lo0s, lo0e, kv_start, u_lo)
+    b0, b1 = _intersect(lo0s, lo0e, u_hi, kv_end)
+    c0, c1 = _intersect(lo1s, lo1e, kv_start, u_lo)
+    d0, d1 = _intersect(lo1s, lo1e, u_hi, kv_end)
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skl_l, v_base, sv_l, sv_d,
+        mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
+        BLOCK_N, D, DV, LO_KIND, LO_FMT, True, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
+
+    if not ONE_CLASS:
+        # High format: [0, sink_end) and [band_s, band_e).
+        hi0s, hi0e = _intersect(0, sink_end, kv_start, kv_end)
+        hi1s, hi1e = _intersect(band_s, band_e, kv_start, kv_end)
+        q, qs = _load_q(QH + b64 * sqh_b + h64 * sqh_h, QHS + q_tokens * HI_SW, sqh_l, offs_m, row_ok,
+                        D, HI_KIND, HI_FMT)
+        k_base = KH + b64 * skh_b + hk64 * skh_h
+        ks_base = KHS + k_tokens * HI_SW
+        a0, a1 = _intersect(hi0s, hi0e, u_lo, u_hi)
+        b0, b1 = _intersect(hi1s, hi1e, u_lo, u_hi)
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skh_l, v_base, sv_l, sv_d,
+            mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
+            BLOCK_N, D, DV, HI_KIND, HI_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
+        a0, a1 = _intersect(hi0s, hi0e, kv_start, u_lo)
+        b0, b1 = _intersect(hi0s, hi0e, u_hi, kv_end)
+        c0, c1 = _intersect(hi1s, hi1e, kv_start, u_lo)
+        d0, d1 = _intersect(hi1s, hi1e, u_hi, kv_end)
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skh_l, v_base, sv_l, sv_d,
+            mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
+            BLOCK_N, D, DV, HI_KIND, HI_FMT, True, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
+
+    dv = tl.arange(0, DV)
+    if PV_FP8:
+        # O = (P8 @ V8) * s_v / (256 l), s_v per channel.
+        acc = acc * (tl.load(VSCALE + (b64 * Hk + hk64) * DV + dv) * (1.0 / 256.0))[None, :]
+    # A row with every key masked has l = 0 and outputs zeros, as SDPA.
+    empty = l_i == 0.0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    o_ptrs = O + b64 * so_b + h64 * so_h + offs_m[:, None].to(tl.int64) * so_l + dv[None, :]
+    tl.store(o_ptrs, _to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
+
+
+@dataclass
+class _ClassOperands:
+    """Q and K of one precision class as the kernel reads them.
+
+    q, k: values in the input dtype (KIND_NONE), or uint8 bytes of e4m3 values
+    (KIND_FOLDED) or of MX payloads (KIND_MX), last dimension contiguous;
+    q_scales, k_scales: E8M0 scales (KIND_MX), int32 per-token exponents
+    (KIND_FOLDED), unused otherwise.
+    """
+
+    kind: int
+    fmt: str
+    q: torch.Tensor
+    q_scales: torch.Tensor
+    k: torch.Tensor
+    k_scales: torch.Tensor
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _class_operands(q, k, key_mean, policy: AttentionPolicy) -> dict[str, _ClassOperands]:
+    """Q and K of every format the policy uses, from one quantization pass each."""
+    mx = tuple(f for f in policy.formats if f != "none")
+    smoothed_none = "none" in policy.formats and key_mean is not None
+    ops: dict[str, _ClassOperands] = {}
+    if policy.mx_mode == "folded":
+        q_mx = quantize_tokens(q, mx, "folded", policy.scale_rule)
+        k_mx = quantize_tokens(k, mx, "folded", policy.scale_rule, mean=key_mean, write_none=smoothed_none)
+        for f in mx:
+            # As bytes: a masked load from an fp8 pointer takes no fill value.
+            ops[f] = _ClassOperands(KIND_FOLDED, "e4m3", q_mx[f].values.view(torch.uint8), q_mx[f].exponents,
+                                    k_mx[f].values.view(torch.uint8), k_mx[f].exponents)
+        k_none = k_mx["none"].values if smoothed_none else None
+    else:
+        q_mx = quantize_payloads(q, mx, policy.scale_rule)
+        k_mx = quantize_payloads(k, mx, policy.scale_rule, mean=key_mean, write_none=smoothed_none)
+        for f in mx:
+            ops[f] = _ClassOperands(KIND_MX, DOT_SCALED_FORMAT[f], q_mx[f].payload, q_mx[f].scales,
+                                    k_mx[f].payload, k_mx[f].scales)
+        k_none = k_mx["none"] if smoothed_none else None
+    if "none" in policy.formats:
+        q_plain = _unit_last(q)
+        k_plain = k_none if k_none is not None else _unit_last(k)
+        ops["none"] = _ClassOperands(KIND_NONE, "none", q_plain, q_plain, k_plain, k_plain)
+    return ops
+
+
+def default_block_sizes(tile: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 128 x 128 (128 x 64 from head_dim 256), capped by the tile.
+
+    Triton lowers tl.dot_scaled to the block-scaled tcgen05.mma only with
+    BLOCK_M = 128; smaller tiles run its exact emulation.
+    """
+    return min(128, tile), min(128 if head_dim <= 128 else 64, tile)
+
+
+def _num_warps(block_m: int) -> int:
+    return 8 if block_m >= 128 else 4
+
+
+def _check_supported(q, v, policy: AttentionPolicy) -> None:
+    d, dv = q.shape[-1], v.shape[-1]
+    if d not in HEAD_DIMS or dv not in HEAD_DIMS:
+        raise Unsupported(f"q, k, v: the sm100 kernel supports head_dim in {list(HEAD_DIMS)}, got {d} and {dv}")
+    if INTERPRET:
+        if q.device.type != "cpu":
+            raise Unsupported(f"under TRITON_INTERPRET=1 the sm100 kernel takes CPU tensors, got {q.device.type}")
+        if policy.mx_mode == "exact" and policy.uses_mx and not _interpreter_has_dot_scaled():
+            raise Unsupported(
+                f"Triton {triton.__version__}'s interpreter has no tl.dot_scaled, which exact MX needs "
+                "(Triton 3.9's has it)"
+            )
+    elif q.device.type != "cuda":
+        raise Unsupported(
+            f"the sm100 kernel needs CUDA tensors, got {q.device.type} (TRITON_INTERPRET=1 runs it on CPU for testing)"
+        )
+    if q.shape[0] * q.shape[1] > 65535:
+        raise Unsupported(f"q: the sm100 kernel serves batch * heads <= 65535, got {q.shape[0] * q.shape[1]}")
+    uses_fp8 = policy.pv == "fp8" or (policy.mx_mode == "folded" and policy.uses_mx)
+    if q.device.type == "cuda" and uses_fp8 and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise Unsupported("fp8 tensor cores (folded MX or pv='fp8') need compute capability 8.9 or newer")
+
+
+def _interpreter_has_dot_scaled() -> bool:
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    return hasattr(InterpreterBuilder, "create_dot_scaled")
+
+
+def _launch_arguments(q, k, v_op, v_strides, v_scales, out, mask, mask_strides, summary, summary_strides,
+                      mask_kind, ops_hi: _ClassOperands, ops_lo: _ClassOperands, is_causal, scale,
+                      policy: AttentionPolicy, block_m, block_n) -> tuple[dict, dict]:
+    """The kernel's runtime arguments and constexprs by name, shared by the
+    launch and `compile_sm100`. v_strides: V's (batch, head, key, channel)
+    strides, whatever its memory layout."""
+    hq, lq, d = q.shape[1], q.shape[2], q.shape[3]
+    hk, lk = k.shape[1], k.shape[2]
+    tile = policy.tile
+    n_q_tiles, n_k_tiles = triton.cdiv(lq, tile), triton.cdiv(lk, tile)
+    args = {}
+    for suffix, ops in (("H", ops_hi), ("L", ops_lo)):
+        s = suffix.lower()
+        args[f"Q{suffix}"], args[f"Q{suffix}S"] = ops.q, ops.q_scales
+        args[f"sq{s}_b"], args[f"sq{s}_h"], args[f"sq{s}_l"] = ops.q.stride()[:3]
+        args[f"K{suffix}"], args[f"K{suffix}S"] = ops.k, ops.k_scales
+        args[f"sk{s}_b"], args[f"sk{s}_h"], args[f"sk{s}_l"] = ops.k.stride()[:3]
+    args["V"], args["VSCALE"] = v_op, v_scales
+    args["sv_b"], args["sv_h"], args["sv_l"], args["sv_d"] = v_strides
+    args["O"] = out
+    args["so_b"], args["so_h"], args["so_l"] = out.stride()[:3]
+    args["MASK"] = mask
+    args["sm_b"], args["sm_h"], args["sm_q"], args["sm_k"] = mask_strides
+    args["SUMM"] = summary
+    args["ss_b"], args["ss_h"], args["ss_r"] = summary_strides
+    args.update(
+        qk_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
+        # Clamped so that the tile products stay in int32; larger counts mean the same.
+        SINK_TILES=min(policy.sink_tiles, n_k_tiles),
+        DIAG_TILES=min(policy.diag_tiles, n_q_tiles + n_k_tiles + 1),
+    )
+    constexprs = dict(
+        TILE=tile, BLOCK_M=block_m, BLOCK_N=block_n, D=d, DV=out.shape[-1],
+        HI_KIND=ops_hi.kind, HI_FMT=ops_hi.fmt, LO_KIND=ops_lo.kind, LO_FMT=ops_lo.fmt,
+        ONE_CLASS=policy.hi == policy.lo, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
+        PV_FP8=policy.pv == "fp8", CELL=CELL, RUNTIME_ZERO_ACC=RUNTIME_ZERO_ACC, HW_CVT=HW_CVT,
+    )
+    return args, constexprs
+
+
+def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy,
+                    *, block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """DMA attention on validated SDPA-style inputs (see `dma_compile.ops`).
+
+    block_m, block_n: the kernel's block sizes, powers of two from 16 that
+    divide policy.tile (default: `default_block_sizes`). Raises Unsupported
+    for calls the kernel cannot serve.
+    """
+    _check_supported(q, v, policy)
+    b, hq, lq, d = q.shape
+    k, v = _collapse_expanded_heads(k, v)
+    lk, dv = k.shape[2], v.shape[-1]
+    default_m, default_n = default_block_sizes(policy.tile, max(d, dv))
+    block_m, block_n = block_m or default_m, block_n or default_n
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size < CELL or size & (size - 1) or policy.tile % size:
+            raise ValueError(
+                f"{name} must be a power of two >= {CELL} that divides policy.tile={policy.tile}, got {size}"
+            )
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8")
+    ops = _class_operands(q, k, stats.key_mean, policy)
+    if policy.pv == "fp8":
+        v_op = quantize_values_fp8(v, stats.value_exponents)
+        # Stored (B, H, Dv, L_pad): the keys are the contiguous dimension.
+        v_strides = (v_op.stride(0), v_op.stride(1), v_op.stride(3), v_op.stride(2))
+        v_scales = stats.value_scales
+    else:
+        v_op, v_strides, v_scales = v, v.stride(), v
+    out = torch.empty(b, hq, lq, dv, dtype=q.dtype, device=q.device)
+    if attn_mask is None:
+        mask_kind, mask, mask_strides, summary, summary_strides = MASK_NONE, out, (0,) * 4, out, (0,) * 3
+    else:
+        info = classify_mask(attn_mask, b, hq, lq, lk)
+        mask_kind = MASK_BOOL if info.is_bool else MASK_ADDITIVE
+        mask, mask_strides = info.values, info.values.stride()
+        summary, summary_strides = info.summary, info.summary_strides
+    args, constexprs = _launch_arguments(
+        q, k, v_op, v_strides, v_scales, out, mask, mask_strides, summary, summary_strides, mask_kind,
+        ops[policy.hi], ops[policy.lo], is_causal, scale, policy, block_m, block_n)
+    grid = (triton.cdiv(lq, block_m), b * hq)
+    _dma_attention_sm100_kernel[grid](**args, **constexprs, num_warps=_num_warps(block_m), num_stages=2)
+    return out
+
+
+# Triton's names of the pointer element types the kernel takes.
+_POINTER_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.uint8: "*u8",
+    torch.int32: "*i32",
+}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The block-scaled tensor-core MMA in PTX: Triton 3.6 writes
+# "...kind::mxf8f6f4.block_scale.scale_vec::1X", Triton 3.9 "...block_scale.block32".
+BLOCK_SCALED_MMA = re.compile(r"tcgen05\.mma\.cta_group::[12]\.kind::(?:mxf8f6f4|mxf4nvf4|mxf4)\.block_scale[\w.:]*")
+
+
+def _placeholder_operands(b, hq, hk, length, d, dtype, policy: AttentionPolicy) -> dict[str, _ClassOperands]:
+    """Meta tensors shaped and typed like `_class_operands`' results."""
+    def meta(*shape, dtype=torch.uint8):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    ops = {}
+    for f in policy.formats:
+        if f == "none":
+            q, k = meta(b, hq, length, d, dtype=dtype), meta(b, hk, length, d, dtype=dtype)
+            ops[f] = _ClassOperands(KIND_NONE, "none", q, q, k, k)
+        elif policy.mx_mode == "folded":
+            ops[f] = _ClassOperands(KIND_FOLDED, "e4m3", meta(b, hq, length, d), meta(b, hq, length, dtype=torch.int32),
+                                    meta(b, hk, length, d), meta(b, hk, length, dtype=torch.int32))
+        else:
+            width = d // 2 if f == "mxfp4_e2m1" else d
+            ops[f] = _ClassOperands(KIND_MX, DOT_SCALED_FORMAT[f], meta(b, hq, length, width),
+                                    meta(b, hq, length, d // 32), meta(b, hk, length, width),
+                                    meta(b, hk, length, d // 32))
+    return ops
+
+
+def compile_sm100(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: int = 128, is_causal: bool = False,
+                  mask: str | None = None, capability: int = 100, block_m: int | None = None,
+                  block_n: int | None = None):
+    """Compile the attention kernel for CUDA compute capability `capability`
+    (100: B200, sm_100a) on any machine, GPU or not.
+
+    Arguments are specialised as a launch on (1, 8, 4096, head_dim) queries
+    and (1, 2, 4096, head_dim) keys and values would be; mask: None, "bool"
+    or "additive" (broadcast over heads). Returns Triton's compiled kernel:
+    `.asm` holds "ttgir", "ptx" and "cubin". Needs TRITON_INTERPRET unset.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRET:
+        raise RuntimeError("compile_sm100 needs TRITON_INTERPRET unset: the interpreter compiles nothing")
+    torch_dtype = _DTYPES[dtype]
+    b, hq, hk, length, d = 1, 8, 2, 4096, head_dim
+    default_m, default_n = default_block_sizes(policy.tile, d)
+    block_m, block_n = block_m or default_m, block_n or default_n
+
+    def meta(*shape, dtype=torch_dtype):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    q, k, out = meta(b, hq, length, d), meta(b, hk, length, d), meta(b, hq, length, d)
+    if policy.pv == "fp8":
+        v_op = meta(b, hk, d, length, dtype=torch.float8_e4m3fn)
+        v_strides = (v_op.stride(0), v_op.stride(1), v_op.stride(3), v_op.stride(2))
+        v_scales = meta(b, hk, d, dtype=torch.float32)
+    else:
+        v_op = meta(b, hk, length, d)
+        v_strides, v_scales = v_op.stride(), v_op
+    mask_kind = {None: MASK_NONE, "bool": MASK_BOOL, "additive": MASK_ADDITIVE}[mask]
+    if mask_kind:
+        m = meta(b, 1, length, length, dtype=torch.uint8 if mask == "bool" else torch_dtype)
+        mask_strides = m.expand(b, hq, length, length).stride()
+        summary = meta(b, 1, length // CELL, 4, dtype=torch.int32)
+        summary_strides = (summary.stride(0), 0, summary.stride(2))
+    else:
+        m, mask_strides, summary, summary_strides = out, (0,) * 4, out, (0,) * 3
+    args, constexprs = _launch_arguments(
+        q, k, v_op, v_strides, v_scales, out, m, mask_strides, summary, summary_strides, mask_kind,
+        *(_placeholder_operands(b, hq, hk, length, d, torch_dtype, policy)[f] for f in (policy.hi, policy.lo)),
+        is_causal, 1.0 / math.sqrt(d), policy, block_m, block_n)
+
+    kernel = _dma_attention_sm100_kernel
+    signature, attrs = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        value = args.get(name)
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _POINTER_TYPES[value.dtype]
+            # Torch allocations are 16-byte aligned: a launch specialises on that.
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif value == 1:
+            # A launch turns integer arguments equal to 1 into constants.
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": _num_warps(block_m), "num_stages": 2}
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def block_scaled_mma_instructions(ptx: str) -> dict[str, int]:
+    """How often each block-scaled tcgen05.mma variant occurs in PTX text."""
+    counts: dict[str, int] = {}
+    for match in BLOCK_SCALED_MMA.finditer(ptx):
+        counts[match.group(0)] = counts.get(match.group(0), 0) + 1
+    return counts

@@ -1,0 +1,469 @@
+"""Quantization pass of the Triton attention kernels.
+
+Reads Q and K (and V when P·V runs in FP8) once and writes what the attention
+kernel reads, in its layout (docs/semantics.md gives the math):
+
+- format "none": smoothed K rounded back to K's dtype (Q and unsmoothed K are
+  used as given, nothing is written);
+- MX, mx_mode "exact": the MX values dequantized to bf16, which holds every
+  e4m3/e5m2/e2m1 element times a power of two exactly, so the attention kernel
+  runs bf16 tensor cores on the exact MX numbers;
+- MX, mx_mode "folded": the e4m3 payload (float8_e4m3fn) and one int32
+  power-of-two exponent per token, for fp8 tensor cores;
+- V for FP8 P·V: e4m3, transposed to (B, H, Dv, Lk_padded) because Hopper's
+  fp8 MMA wants its second operand K-major, with one power-of-two scale per
+  channel.
+
+K's mean over keys (smoothing) and V's per-channel amax come from a small
+reduction pass first. The rounding is bit-identical to `dma_compile.formats`
+(nearest even, saturating, rceil/floor scale rules, E8M0 exponents clamped to
+[-127, 127], NaN/Inf blocks read back NaN).
+
+All element rounding (e4m3, e5m2, e2m1, bf16) is done by exact integer/float
+arithmetic rather than conversion instructions, so the GPU runs the code CI
+checks under Triton's interpreter (whose float32 -> bf16/fp8 casts truncate and
+which cannot multiply bf16 matrices) and Hopper's missing e2m1 conversion needs
+no special case. Kernels take an `HW_CVT` flag (False under the interpreter)
+for the few casts where the hardware instruction is kept for speed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Read when this module is imported, like triton.jit reads it when decorating.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HW_CVT = not INTERPRET
+
+FMT_CODES = {"mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
+# Exponent code stored for V channels whose amax is NaN.
+V_NAN_EXPONENT = tl.constexpr(1 << 20)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for int32 e in [-126, 127], built from the exponent bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2_wide(e):
+    """2^e as float32 for int32 e >= -149 (subnormal below -126), 0 further down."""
+    normal = ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, tl.where(e >= -149, sub, 0.0))
+
+
+@triton.jit
+def _with_sign_of(mag, x):
+    bits = mag.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_grid(a, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAX_NORMAL: tl.constexpr):
+    """Round non-negative float32 `a` to a float grid: nearest even, saturating.
+
+    Adding and subtracting 1.5 * 2^(quantum exponent + 23) makes the float32
+    adder round to the quantum (nearest even); the quantum is that of a's
+    binade, never below the smallest normal's (subnormals share it).
+    """
+    a = tl.minimum(a, MAX_NORMAL)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, MIN_EXP)
+    magic = (((e - MBITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (a + magic) - magic
+
+
+@triton.jit
+def _round_element(x, FMT: tl.constexpr):
+    """x on the element grid of FMT (1 e4m3, 2 e5m2, 3 e2m1), float32; not for NaN."""
+    if FMT == 1:
+        r = _with_sign_of(_round_grid(tl.abs(x), 3, -6, 448.0), x)
+    elif FMT == 2:
+        r = _with_sign_of(_round_grid(tl.abs(x), 2, -14, 57344.0), x)
+    else:
+        r = _with_sign_of(_round_grid(tl.abs(x), 1, 0, 6.0), x)
+    return r
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """e4m3(x) (nearest even, saturating) as uint8 bits; not for NaN.
+
+    Encoded by integer arithmetic from the rounded value rather than cast, so
+    no conversion instruction can flush or re-round it.
+    """
+    r = _round_element(x, 1)
+    a = tl.abs(r)
+    fb = a.to(tl.int32, bitcast=True)
+    normal = (((fb >> 23) - 120) << 3) | ((fb >> 20) & 7)
+    code = tl.where(a >= 0.015625, normal, (a * 512.0).to(tl.int32))
+    return (code | ((r.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _to_e4m3(x, HW_CVT: tl.constexpr):
+    """e4m3(x) as float8e4nv for the attention kernel's P: the hardware cast
+    (nearest even, saturating: it matched `formats` on every bf16 value in
+    e4m3's range on an H200), emulated under the interpreter."""
+    if HW_CVT:
+        r = x.to(tl.float8e4nv)
+    else:
+        r = _round_element(x, 1).to(tl.float8e4nv)
+    return r
+
+
+@triton.jit
+def _round_bf16_bits(x):
+    """bf16(x), nearest even, built from the float32 bits (exact on every
+    device, subnormals included; the interpreter's own cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = tl.where(x == x, bits + (0x7FFF + ((bits >> 16) & 1)), bits)
+    return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _to_f32(x, HW_CVT: tl.constexpr):
+    """x as float32 (the interpreter widens bf16 subnormals wrongly: shift the bits instead)."""
+    if not HW_CVT and x.dtype == tl.bfloat16:
+        r = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        r = x.to(tl.float32)
+    return r
+
+
+@triton.jit
+def _to_dtype(x, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
+    """Cast float32 x to DTYPE with nearest-even rounding (hardware cast where there is one)."""
+    if DTYPE == tl.bfloat16 and not HW_CVT:
+        r = _round_bf16_bits(x)
+    else:
+        r = x.to(DTYPE)
+    return r
+
+
+@triton.jit
+def _to_dtype_exact(x, DTYPE: tl.constexpr):
+    """Cast float32 x to bf16 by bit arithmetic, to fp16 by the (exact) hardware cast."""
+    if DTYPE == tl.bfloat16:
+        r = _round_bf16_bits(x)
+    else:
+        r = x.to(DTYPE)
+    return r
+
+
+@triton.jit
+def _log2_parts(a):
+    """floor(log2(a)) and the 23 fraction bits of a's normalised significand, a > 0 finite."""
+    bits = a.to(tl.int32, bitcast=True)
+    ef = bits >> 23
+    mant = bits & 0x7FFFFF
+    # A subnormal has no implicit bit: find its leading bit by an exact int -> float conversion.
+    lead = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+    e = tl.where(ef > 0, ef - 127, lead - 149)
+    shift = tl.minimum(tl.maximum(23 - lead, 0), 31)
+    frac = tl.where(ef > 0, mant, (mant << shift) & 0x7FFFFF)
+    return e, frac
+
+
+@triton.jit
+def _scale_exponent(amax, EMAX: tl.constexpr, MAX_FRAC: tl.constexpr, RCEIL: tl.constexpr):
+    """E8M0 exponent of a block with finite amax (formats.scale_exponents).
+
+    The largest normal is 1.MAX_FRAC * 2^EMAX: rceil takes the smallest k with
+    amax <= max_normal * 2^k, floor the spec's floor(log2 amax) - EMAX.
+    """
+    e, frac = _log2_parts(amax)
+    if RCEIL:
+        e = e + (frac > MAX_FRAC).to(tl.int32)
+    s = tl.where(amax == 0, -127, e - EMAX)
+    return tl.minimum(tl.maximum(s, -127), 127)
+
+
+@triton.jit
+def _quantize_mx(x, ok, row_ok, OUT, EXPS, out_offs, row_offs,
+                 FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr):
+    """MX-quantize x (tokens, D // 32, 32) and store the exact or folded form."""
+    if FMT == 1:
+        EMAX: tl.constexpr = 8
+        MAX_FRAC: tl.constexpr = 0x600000
+    elif FMT == 2:
+        EMAX: tl.constexpr = 15
+        MAX_FRAC: tl.constexpr = 0x600000
+    else:
+        EMAX: tl.constexpr = 2
+        MAX_FRAC: tl.constexpr = 0x400000
+    ax = tl.abs(x)
+    finite = ax < float("inf")
+    # A block holding NaN or Inf gets a NaN scale: it reads back NaN.
+    bad = tl.max((~finite).to(tl.int32), axis=2) > 0
+    amax = tl.max(tl.where(finite, ax, 0.0), axis=2)
+    s = _scale_exponent(amax, EMAX, MAX_FRAC, RCEIL)
+    elem = _round_element(x * _pow2(-s)[:, :, None], FMT)
+    if FOLDED:
+        # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
+        a = tl.max(tl.where(bad, 128, s), axis=1) + (EMAX - 8)
+        shift = tl.maximum(s - a[:, None], -126)
+        bits = _e4m3_bits(elem * _pow2(shift)[:, :, None])
+        bits = tl.where(bad[:, :, None], 0x7F, bits)
+        tl.store(OUT + out_offs, bits, mask=ok)
+        tl.store(EXPS + row_offs, a, mask=row_ok)
+    else:
+        # Two steps keep the power of two normal for s = -127.
+        deq = (elem * _pow2(s + 1)[:, :, None]) * 0.5
+        deq = tl.where(bad[:, :, None], float("nan"), deq)
+        tl.store(OUT + out_offs, _round_bf16_bits(deq), mask=ok)
+
+
+@triton.jit
+def _quantize_tokens_kernel(
+    X, sx_b, sx_h, sx_l, sx_d,
+    MEAN, NONE_OUT, OUT1, EXPS1, OUT2, EXPS2,
+    H, L,
+    D: tl.constexpr, BLOCK_T: tl.constexpr,
+    SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
+    FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    NB: tl.constexpr = D // 32
+    t1 = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = t1[:, None, None]
+    d = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    row_ok = t1 < L
+    ok = (t < L) & (d < D)
+    src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
+    x = _to_f32(tl.load(src + t.to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
+    if SMOOTH:
+        x = x - tl.load(MEAN + pid_bh * D + d)
+    out_offs = pid_bh.to(tl.int64) * L * D + t * D + d
+    row_offs = pid_bh.to(tl.int64) * L + t1
+    if WRITE_NONE:
+        tl.store(NONE_OUT + out_offs, _to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
+    if FMT1 != 0:
+        _quantize_mx(x, ok, row_ok, OUT1, EXPS1, out_offs, row_offs, FMT1, FOLDED, RCEIL)
+    if FMT2 != 0:
+        _quantize_mx(x, ok, row_ok, OUT2, EXPS2, out_offs, row_offs, FMT2, FOLDED, RCEIL)
+
+
+@triton.jit
+def _kv_stats_kernel(
+    K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
+    KSUM, VMAX, H, L, CHUNK, N_CHUNKS,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
+    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """Per chunk of keys: the fp32 sum of K and the amax of |V| (NaN kept)."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    dk = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    ksum = tl.zeros([D], dtype=tl.float32)
+    vmax = tl.zeros([DV], dtype=tl.float32)
+    vnan = tl.zeros([DV], dtype=tl.int32)
+    k_src = K + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
+    v_src = V + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
+    start = pid_c * CHUNK
+    for l0 in range(start, tl.minimum(start + CHUNK, L), BLOCK_L):
+        rows = l0 + tl.arange(0, BLOCK_L)
+        ok = (rows < L)[:, None]
+        if NEED_K:
+            kt = tl.load(k_src + rows[:, None].to(tl.int64) * sk_l + dk[None, :] * sk_d, mask=ok, other=0.0)
+            ksum += tl.sum(_to_f32(kt, HW_CVT), axis=0)
+        if NEED_V:
+            vt = tl.load(v_src + rows[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d, mask=ok, other=0.0)
+            va = tl.abs(_to_f32(vt, HW_CVT))
+            vnan = tl.maximum(vnan, tl.max((va != va).to(tl.int32), axis=0))
+            vmax = tl.maximum(vmax, tl.max(tl.where(va == va, va, 0.0), axis=0))
+    if NEED_K:
+        tl.store(KSUM + (pid_bh * N_CHUNKS + pid_c) * D + dk, ksum)
+    if NEED_V:
+        tl.store(VMAX + (pid_bh * N_CHUNKS + pid_c) * DV + dv, tl.where(vnan > 0, float("nan"), vmax))
+
+
+@triton.jit
+def _kv_stats_finalize_kernel(
+    KSUM, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS, L,
+    NCH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    NEED_K: tl.constexpr, NEED_V: tl.constexpr,
+):
+    """K's mean over keys; V's per-channel e4m3 scale 2^e, the smallest with amax / 2^e <= 448."""
+    pid_bh = tl.program_id(0)
+    c = tl.arange(0, NCH)[:, None]
+    c_ok = c < N_CHUNKS
+    if NEED_K:
+        dk = tl.arange(0, D)
+        parts = tl.load(KSUM + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0.0)
+        tl.store(MEAN + pid_bh * D + dk, tl.sum(parts, axis=0) / L)
+    if NEED_V:
+        dv = tl.arange(0, DV)
+        parts = tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0)
+        is_nan = tl.max((parts != parts).to(tl.int32), axis=0) > 0
+        amax = tl.max(tl.where(parts == parts, parts, 0.0), axis=0)
+        # An all-zero channel gets scale 1, as reference.fp8_value_scale.
+        amax = tl.where(amax > 0, amax, 448.0)
+        e, frac = _log2_parts(amax)
+        e = e + (frac > 0x600000).to(tl.int32) - 8
+        tl.store(VEXP + pid_bh * DV + dv, tl.where(is_nan, V_NAN_EXPONENT, e))
+        tl.store(VSCALE + pid_bh * DV + dv, tl.where(is_nan, float("nan"), _pow2_wide(e)))
+
+
+@triton.jit
+def _quantize_v_kernel(
+    V, sv_b, sv_h, sv_l, sv_d, VEXP, OUT, H, L, L_PAD,
+    DV: tl.constexpr, BLOCK_T: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """e4m3(V / 2^e) per channel, stored transposed: OUT (B*H, DV, L_PAD)."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, DV)
+    ok = t < L
+    src = V + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
+    v = tl.load(src + t[:, None].to(tl.int64) * sv_l + d[None, :] * sv_d, mask=ok[:, None], other=0.0)
+    e = tl.load(VEXP + pid_bh * DV + d)
+    # 2^-e in two normal factors: e can lie outside float32's normal range.
+    half = (-e) >> 1
+    x = _to_f32(v, HW_CVT) * _pow2(half)[None, :] * _pow2(-e - half)[None, :]
+    bits = tl.where((e == V_NAN_EXPONENT)[None, :], 0x7F, _e4m3_bits(x))
+    dst = OUT + pid_bh.to(tl.int64) * DV * L_PAD
+    tl.store(dst + d[:, None] * L_PAD + t[None, :], tl.trans(bits), mask=ok[None, :])
+
+
+@dataclass
+class Operand:
+    """Q or K as one QK^T format needs it in the attention kernel.
+
+    values: (B, H, L, D), in the input dtype ("none"), bf16 (exact MX) or
+    float8_e4m3fn (folded MX); exponents: (B, H, L) int32, the per-token power
+    of two of folded MX (None otherwise).
+    """
+
+    values: torch.Tensor
+    exponents: torch.Tensor | None = None
+
+
+def _token_block(d: int) -> int:
+    return max(8, 4096 // d)
+
+
+def quantize_tokens(
+    x: torch.Tensor,
+    formats: tuple[str, ...],
+    mx_mode: str = "folded",
+    scale_rule: str = "rceil",
+    mean: torch.Tensor | None = None,
+    write_none: bool = False,
+) -> dict[str, Operand]:
+    """Quantize x (B, H, L, D) along D for each MX format in `formats`.
+
+    mean: (B, H, D) float32 to subtract first (K smoothing). write_none: also
+    return the (smoothed) values rounded to x's dtype under the key "none".
+    """
+    b, h, length, d = x.shape
+    if d % 32 != 0 or d & (d - 1):
+        raise ValueError(f"x: head_dim must be a power of two and a multiple of 32, got {d}")
+    mx = [f for f in formats if f != "none"]
+    if len(mx) > 2 or any(f not in FMT_CODES for f in mx):
+        raise ValueError(f"formats: at most two of {list(FMT_CODES)}, got {formats}")
+    folded = mx_mode == "folded"
+    result: dict[str, Operand] = {}
+    outs = []
+    for fmt in mx:
+        if folded:
+            op = Operand(
+                torch.empty(b, h, length, d, dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty(b, h, length, dtype=torch.int32, device=x.device),
+            )
+            outs.append((op.values.view(torch.uint8), op.exponents))
+        else:
+            op = Operand(torch.empty(b, h, length, d, dtype=torch.bfloat16, device=x.device))
+            outs.append((op.values, op.values))
+        result[fmt] = op
+    none_out = None
+    if write_none:
+        none_out = torch.empty(b, h, length, d, dtype=x.dtype, device=x.device)
+        result["none"] = Operand(none_out)
+    while len(outs) < 2:
+        outs.append((x, x))
+    if not mx and not write_none:
+        return result
+    smooth = mean is not None
+    block_t = _token_block(d)
+    grid = (triton.cdiv(length, block_t), b * h)
+    _quantize_tokens_kernel[grid](
+        x, *x.stride(),
+        mean.contiguous() if smooth else x, none_out if write_none else x,
+        outs[0][0], outs[0][1], outs[1][0], outs[1][1],
+        h, length,
+        D=d, BLOCK_T=block_t, SMOOTH=smooth, WRITE_NONE=write_none,
+        FMT1=FMT_CODES[mx[0]] if mx else 0, FMT2=FMT_CODES[mx[1]] if len(mx) > 1 else 0,
+        FOLDED=folded, RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT,
+        num_warps=4,
+    )
+    return result
+
+
+@dataclass
+class KVStatistics:
+    """K's mean over keys (B, H, D) float32, and V's e4m3 per-channel exponents
+    (B, H, Dv) int32 and scales 2^e (B, H, Dv) float32; None where not asked."""
+
+    key_mean: torch.Tensor | None
+    value_exponents: torch.Tensor | None
+    value_scales: torch.Tensor | None
+
+
+def kv_statistics(k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale: bool) -> KVStatistics:
+    """One pass over K and V (chunked over keys, then a small finalize kernel)."""
+    b, h, length, d = k.shape
+    dv = v.shape[-1]
+    if not (key_mean or value_scale):
+        return KVStatistics(None, None, None)
+    block_l = 32
+    chunk = max(256, triton.cdiv(triton.cdiv(length, 256), block_l) * block_l)
+    n_chunks = triton.cdiv(length, chunk)
+    dev = k.device
+    ksum = torch.empty(b * h, n_chunks, d, dtype=torch.float32, device=dev) if key_mean else None
+    vmax = torch.empty(b * h, n_chunks, dv, dtype=torch.float32, device=dev) if value_scale else None
+    _kv_stats_kernel[(n_chunks, b * h)](
+        k, *k.stride(), v, *v.stride(),
+        ksum if key_mean else vmax, vmax if value_scale else ksum, h, length, chunk, n_chunks,
+        D=d, DV=dv, BLOCK_L=block_l, NEED_K=key_mean, NEED_V=value_scale, HW_CVT=HW_CVT, num_warps=4,
+    )
+    mean = torch.empty(b, h, d, dtype=torch.float32, device=dev) if key_mean else None
+    vexp = torch.empty(b, h, dv, dtype=torch.int32, device=dev) if value_scale else None
+    vscale = torch.empty(b, h, dv, dtype=torch.float32, device=dev) if value_scale else None
+    some = mean if key_mean else vscale
+    _kv_stats_finalize_kernel[(b * h,)](
+        ksum if key_mean else vmax, vmax if value_scale else ksum,
+        some, vexp if value_scale else some, vscale if value_scale else some,
+        n_chunks, length,
+        NCH=triton.next_power_of_2(n_chunks), D=d, DV=dv, NEED_K=key_mean, NEED_V=value_scale, num_warps=4,
+    )
+    return KVStatistics(mean, vexp, vscale)
+
+
+def quantize_values_fp8(v: torch.Tensor, value_exponents: torch.Tensor) -> torch.Tensor:
+    """e4m3(V / 2^e) transposed to (B, H, Dv, L_pad), L_pad a multiple of 16."""
+    b, h, length, dv = v.shape
+    l_pad = triton.cdiv(length, 16) * 16
+    out = torch.empty(b, h, dv, l_pad, dtype=torch.float8_e4m3fn, device=v.device)
+    block_t = 64
+    _quantize_v_kernel[(triton.cdiv(length, block_t), b * h)](
+        v, *v.stride(), value_exponents, out.view(torch.uint8), h, length, l_pad,
+        DV=dv, BLOCK_T=block_t, HW_CVT=HW_CVT, num_warps=4,
+    )
+    return out

@@ -1,0 +1,200 @@
+"""MX payload pass for the Blackwell kernel: what `tl.dot_scaled` reads.
+
+Reads Q or K once and writes, per MX format, the element payload and one E8M0
+scale per block of 32 along the head dimension, bit-identical to
+`dma_compile.formats.quantize_mx`:
+
+- payload (B, H, L, D) uint8 holding e4m3 or e5m2 bits, or (B, H, L, D // 2)
+  uint8 holding two e2m1 codes per byte, the even index in the low nibble
+  (the layout `tl.dot_scaled` takes with the K dimension packed);
+- scales (B, H, L, D // 32) uint8, E8M0 (bias 127, 255 = NaN): row-major per
+  token, which is `tl.dot_scaled`'s [rows, K // 32] for both operands.
+
+Optionally it also writes the (smoothed) values rounded to the input dtype
+(format "none"). Rounding, scale rule and e4m3 encoding are the helpers of
+`dma_compile.kernels.quantize` (shared with the Hopper kernel, whose pass
+writes dequantized bf16 instead, which Blackwell's block-scaled MMA does not
+need); the e5m2 and packed-e2m1 encoders live here. All are integer/float
+arithmetic, bit-exact on every device and in the interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dma_compile.kernels.quantize import (
+    FMT_CODES,
+    HW_CVT,
+    _e4m3_bits,
+    _pow2,
+    _round_element,
+    _scale_exponent,
+    _to_dtype_exact,
+    _to_f32,
+)
+
+# Payload elements per byte for each format code (e2m1 packs two).
+PACKING = {1: 1, 2: 1, 3: 2}
+
+
+@triton.jit
+def _e5m2_bits(elem):
+    """e5m2 bits of float32 values already on the e5m2 grid, by integer
+    arithmetic (no conversion instruction can flush or re-round them)."""
+    a = tl.abs(elem)
+    fb = a.to(tl.int32, bitcast=True)
+    normal = (((fb >> 23) - 112) << 2) | ((fb >> 21) & 3)
+    # Subnormals are multiples of 2^-16.
+    code = tl.where(a >= 6.103515625e-05, normal, (tl.minimum(a, 6.103515625e-05) * 65536.0).to(tl.int32))
+    return (code | ((elem.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_codes(elem):
+    """4-bit E2M1 codes (sign in bit 3) of float32 values already on the e2m1 grid."""
+    twice = (tl.abs(elem) * 2.0).to(tl.int32)
+    # Twice the magnitudes 0, 1, 2, 3, 4, 6, 8, 12 map to codes 0..7.
+    mag = tl.where(twice <= 4, twice, tl.where(twice <= 8, 2 + twice // 2, 7))
+    sign = (elem.to(tl.int32, bitcast=True) >> 31) & 1
+    return mag | (sign << 3)
+
+
+@triton.jit
+def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.constexpr, RCEIL: tl.constexpr):
+    """MX-quantize x (tokens, D // 32, 32) float32; store payload bytes and E8M0 scales."""
+    if FMT == 1:
+        EMAX: tl.constexpr = 8
+        MAX_FRAC: tl.constexpr = 0x600000
+    elif FMT == 2:
+        EMAX: tl.constexpr = 15
+        MAX_FRAC: tl.constexpr = 0x600000
+    else:
+        EMAX: tl.constexpr = 2
+        MAX_FRAC: tl.constexpr = 0x400000
+    NB: tl.constexpr = D // 32
+    BLOCK_T: tl.constexpr = x.shape[0]
+    ax = tl.abs(x)
+    finite = ax < float("inf")
+    # A block holding NaN or Inf gets scale 255 (NaN) and zero elements, as formats.quantize_mx.
+    bad = tl.max((~finite).to(tl.int32), axis=2) > 0
+    amax = tl.max(tl.where(finite, ax, 0.0), axis=2)
+    s = _scale_exponent(amax, EMAX, MAX_FRAC, RCEIL)
+    # A finite float32 amax is below 2^128, so s <= 126 and 2^-s is a normal float.
+    elem = _round_element(tl.where(finite, x, 0.0) * _pow2(-s)[:, :, None], FMT)
+    elem = tl.where(bad[:, :, None], 0.0, elem)
+    rows = bh.to(tl.int64) * L + t
+    blocks = tl.arange(0, NB)
+    tl.store(SCALES + rows[:, None] * NB + blocks[None, :], tl.where(bad, 255, s + 127).to(tl.uint8),
+             mask=t_ok[:, None])
+    if FMT == 3:
+        codes = tl.reshape(_e2m1_codes(elem), [BLOCK_T, D // 2, 2])
+        even, odd = tl.split(codes)
+        cols = tl.arange(0, D // 2)
+        tl.store(PAYLOAD + rows[:, None] * (D // 2) + cols[None, :], (even | (odd << 4)).to(tl.uint8),
+                 mask=t_ok[:, None])
+    else:
+        if FMT == 1:
+            bits = _e4m3_bits(elem)
+        else:
+            bits = _e5m2_bits(elem)
+        cols = tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        tl.store(PAYLOAD + rows[:, None, None] * D + cols[None, :, :], bits, mask=t_ok[:, None, None])
+
+
+@triton.jit
+def _mx_payload_kernel(
+    X, sx_b, sx_h, sx_l, sx_d,
+    MEAN, NONE_OUT, PAYLOAD1, SCALES1, PAYLOAD2, SCALES2,
+    H, L,
+    D: tl.constexpr, BLOCK_T: tl.constexpr,
+    SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
+    FMT1: tl.constexpr, FMT2: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    NB: tl.constexpr = D // 32
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < L
+    d = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    ok = t_ok[:, None, None]
+    src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
+    x = _to_f32(tl.load(src + t[:, None, None].to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
+    if SMOOTH:
+        x = x - tl.load(MEAN + pid_bh * D + d)
+    if WRITE_NONE:
+        dst = NONE_OUT + (pid_bh.to(tl.int64) * L + t[:, None, None]) * D + d
+        tl.store(dst, _to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
+    if FMT1 != 0:
+        _store_mx(x, PAYLOAD1, SCALES1, pid_bh, t, t_ok, L, D, FMT1, RCEIL)
+    if FMT2 != 0:
+        _store_mx(x, PAYLOAD2, SCALES2, pid_bh, t, t_ok, L, D, FMT2, RCEIL)
+
+
+@dataclass
+class MXPayload:
+    """One operand in one MX format, as `tl.dot_scaled` reads it.
+
+    payload: (B, H, L, D) uint8 (e4m3/e5m2 bits) or (B, H, L, D // 2) uint8
+    (packed e2m1); scales: (B, H, L, D // 32) uint8 E8M0.
+    """
+
+    fmt: str
+    payload: torch.Tensor
+    scales: torch.Tensor
+
+
+def quantize_payloads(
+    x: torch.Tensor,
+    formats: tuple[str, ...],
+    scale_rule: str = "rceil",
+    mean: torch.Tensor | None = None,
+    write_none: bool = False,
+) -> dict[str, MXPayload | torch.Tensor]:
+    """MX payloads and scales of x (B, H, L, D) for each MX format in `formats`.
+
+    mean: (B, H, D) float32 subtracted first (K smoothing). write_none: also
+    return the (smoothed) values rounded to x's dtype, (B, H, L, D) contiguous,
+    under the key "none". One pass over x for up to two formats.
+    """
+    b, h, length, d = x.shape
+    if d % 32 != 0 or d & (d - 1):
+        raise ValueError(f"x: head_dim must be a power of two and a multiple of 32, got {d}")
+    mx = [f for f in formats if f != "none"]
+    if len(mx) > 2 or any(f not in FMT_CODES for f in mx):
+        raise ValueError(f"formats: at most two of {list(FMT_CODES)} (plus 'none'), got {formats}")
+    if not mx and not write_none:
+        return {}
+    result: dict[str, MXPayload | torch.Tensor] = {}
+    outs = []
+    for fmt in mx:
+        code = FMT_CODES[fmt]
+        op = MXPayload(
+            fmt,
+            torch.empty(b, h, length, d // PACKING[code], dtype=torch.uint8, device=x.device),
+            torch.empty(b, h, length, d // 32, dtype=torch.uint8, device=x.device),
+        )
+        result[fmt] = op
+        outs.append((op.payload, op.scales))
+    none_out = torch.empty(b, h, length, d, dtype=x.dtype, device=x.device) if write_none else x
+    if write_none:
+        result["none"] = none_out
+    while len(outs) < 2:
+        outs.append((x, x))
+    block_t = max(8, 2048 // d)
+    _mx_payload_kernel[(triton.cdiv(length, block_t), b * h)](
+        x, *x.stride(),
+        mean.contiguous() if mean is not None else x, none_out,
+        outs[0][0], outs[0][1], outs[1][0], outs[1][1],
+        h, length,
+        D=d, BLOCK_T=block_t, SMOOTH=mean is not None, WRITE_NONE=write_none,
+        FMT1=FMT_CODES[mx[0]] if mx else 0, FMT2=FMT_CODES[mx[1]] if len(mx) > 1 else 0,
+        RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT,
+        num_warps=4,
+    )
+    return result

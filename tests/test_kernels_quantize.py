@@ -1,0 +1,120 @@
+"""The Triton quantization pass against dma_compile.formats and the reference.
+
+Every comparison here is bit-exact: the pass must round exactly like
+`formats` (nearest even, saturating, rceil/floor scales, E8M0 clamp, NaN/Inf
+blocks). Inputs mix binades within blocks and include tails of tiny and huge
+values, all-zero blocks, NaN and Inf. The "cpu" cases run the kernels under
+Triton's interpreter (set by conftest when there is no GPU), "cuda" on a GPU.
+`formats` always runs on the CPU: on an H200 its rceil comparison (float64
+ldexp) disagreed with the exact answer at amax = max_normal * 2^k ties while
+the CPU evaluation is exact.
+"""
+
+import os
+
+import pytest
+import torch
+
+from dma_compile import formats
+from dma_compile.reference import fp8_value_scale
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (no GPU)")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+def _q():
+    from dma_compile.kernels import quantize
+
+    return quantize
+
+
+def on_cpu(operands):
+    """{format: (values, exponents)} of the pass's output, moved to the CPU."""
+    return {f: (op.values.cpu(), None if op.exponents is None else op.exponents.cpu()) for f, op in operands.items()}
+
+
+def tailed(shape, dtype, device):
+    """Random values spread over many binades, with tiny/huge/zero/NaN/Inf blocks."""
+    x = torch.randn(shape) * torch.exp2(torch.randint(-10, 11, shape).float())
+    blocks = x.view(-1, x.shape[-1] // 32, 32)
+    n = blocks.shape[0]
+    tiny, huge = (2.0**-118, 2.0**100) if dtype == torch.bfloat16 else (2.0**-20, 2.0**6)
+    blocks[0::7, 0] *= tiny
+    blocks[3::11, -1] *= huge
+    blocks[5::13, 0] = 0.0
+    blocks[1::17, 0, 0] *= 2.0**-40 if dtype == torch.bfloat16 else 2.0**-14
+    if n > 40:
+        blocks[2, 0, 3] = float("nan")
+        blocks[9, -1, 5] = float("inf")
+        blocks[20, 0, 7] = float("-inf")
+    return x.to(dtype).to(device)
+
+
+def same(a, b):
+    """Bitwise-equal values, NaN equal to NaN."""
+    a, b = a.float(), b.float()
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_rule", ["rceil", "floor"])
+@pytest.mark.parametrize("mode", ["folded", "exact"])
+@pytest.mark.parametrize("fmts", [("mxfp8_e4m3", "mxfp4_e2m1"), ("mxfp8_e5m2",)])
+def test_tokens_match_formats(device, dtype, scale_rule, mode, fmts, seed):
+    shape = (2, 3, 37, 64) if device == "cpu" else (2, 8, 1000, 128)
+    x = tailed(shape, dtype, device)
+    got = on_cpu(_q().quantize_tokens(x, fmts, mode, scale_rule))
+    x = x.cpu()
+    for fmt in fmts:
+        mx = formats.quantize_mx(x.float(), fmt, scale_rule)
+        if mode == "folded":
+            elements, exponents = formats.fold_mx(mx)
+            values, got_exponents = got[fmt]
+            assert values.dtype == torch.float8_e4m3fn
+            assert same(values, elements), f"seed {seed} {fmt} payload"
+            assert torch.equal(got_exponents, exponents), f"seed {seed} {fmt} exponents"
+        else:
+            values, _ = got[fmt]
+            assert values.dtype == torch.bfloat16
+            assert same(values, mx.dequantize().to(torch.bfloat16)), f"seed {seed} {fmt}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_smoothed_keys(device, dtype, seed):
+    shape = (2, 2, 45, 64) if device == "cpu" else (2, 4, 3000, 128)
+    k = (torch.randn(shape) * 2 + torch.randn(shape[-1]) * 3).to(dtype).to(device)
+    stats = _q().kv_statistics(k, k, key_mean=True, value_scale=False)
+    # The mean is a float32 sum in another order than torch's: a few ulps apart.
+    torch.testing.assert_close(stats.key_mean, k.float().mean(dim=-2), rtol=1e-5, atol=1e-6)
+    got = _q().quantize_tokens(k, ("mxfp8_e4m3",), "folded", "rceil", mean=stats.key_mean, write_none=True)
+    got = on_cpu(got)
+    k = k.cpu()
+    smoothed = k.float() - stats.key_mean.cpu().unsqueeze(-2)
+    assert torch.equal(got["none"][0], smoothed.to(dtype)), f"seed {seed}"
+    elements, exponents = formats.fold_mx(formats.quantize_mx(smoothed, "mxfp8_e4m3"))
+    assert same(got["mxfp8_e4m3"][0], elements), f"seed {seed}"
+    assert torch.equal(got["mxfp8_e4m3"][1], exponents), f"seed {seed}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_values_fp8(device, dtype, seed):
+    shape = (2, 3, 77, 32) if device == "cpu" else (2, 4, 2000, 128)
+    v = (torch.randn(shape) * torch.exp2(torch.randint(-6, 7, (shape[-1],)).float())).to(dtype)
+    v[0, 1, :, 5] = 0.0
+    v[1, 2, 7, 3] = float("nan")
+    v[1, 0, :, 4] *= 2.0**-20
+    v = v.to(device)
+    stats = _q().kv_statistics(v, v, key_mean=False, value_scale=True)
+    vt = _q().quantize_values_fp8(v, stats.value_exponents).cpu()
+    v = v.cpu()
+    scale = fp8_value_scale(v)
+    assert same(stats.value_scales.cpu(), scale.squeeze(-2)), f"seed {seed}"
+    assert vt.shape == (*shape[:2], shape[3], -(-shape[2] // 16) * 16)
+    expected = formats.round_to_element(v.float() / scale, formats.E4M3)
+    assert same(vt[..., : shape[2]].transpose(-1, -2), expected), f"seed {seed}"
