@@ -53,7 +53,9 @@ def _kernel(impl: str):
     return attention_sm100
 
 
-@torch.library.custom_op("dma::attention", mutates_args=())
+# flexible_layout: Inductor may hand the op any strides, so every layer of a
+# compiled model shares one mask buffer (and one cached mask classification).
+@torch.library.custom_op("dma::attention", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

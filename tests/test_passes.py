@@ -1,0 +1,353 @@
+"""The FX rewrite of SDPA into dma.attention (dma_compile.passes.rewrite_sdpa).
+
+Graphs come from Dynamo (fullgraph, dynamic) through a backend that rewrites
+and then runs the graph eagerly, so these tests need no Inductor compile.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import dma_compile.hf
+from dma_compile import AttentionPolicy, ModelPolicy, dma_attention
+from dma_compile.passes import rewrite_sdpa as rewrite_sdpa_module
+from dma_compile.passes.rewrite_sdpa import (
+    SDPA_TARGETS,
+    bind_sdpa_args,
+    layer_index,
+    module_path,
+    rewrite_sdpa,
+    unsupported_reason,
+)
+
+DMA_OP = torch.ops.dma.attention.default
+POLICY = ModelPolicy(
+    default=AttentionPolicy(tile=32),
+    layers={
+        1: AttentionPolicy(tile=32, hi="none", lo="mxfp8_e4m3", mx_mode="folded"),
+        2: AttentionPolicy(tile=64, hi="mxfp4_e2m1", lo="mxfp4_e2m1", diag_tiles=2),
+    },
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# GQA decoder families whose attention goes through transformers' sdpa_attention_forward.
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 48}),
+}
+
+
+def causal_lm(family: str, attn_implementation: str, seed: int):
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_class(
+        vocab_size=97, hidden_size=128, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        initializer_range=0.05, attn_implementation=attn_implementation, **extra,
+    )
+    return model_class(config).eval()
+
+
+def gpt2(attn_implementation: str, seed: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=97, n_embd=64, n_layer=2, n_head=2, n_positions=256, initializer_range=0.1,
+        bos_token_id=0, eos_token_id=0, attn_implementation=attn_implementation,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+class Captured:
+    """A Dynamo backend that rewrites each graph and runs it eagerly."""
+
+    def __init__(self, policy, impl="reference"):
+        self.policy, self.impl = policy, impl
+        self.graphs, self.reports = [], []
+
+    def __call__(self, gm, example_inputs):
+        self.reports.append(rewrite_sdpa(gm.graph, self.policy, self.impl))
+        gm.recompile()
+        self.graphs.append(gm)
+        return gm.forward
+
+    def ops(self):
+        return [n for n in self.graphs[-1].graph.nodes if n.target is DMA_OP]
+
+    def sdpa_nodes(self):
+        return [n for n in self.graphs[-1].graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+
+
+def fake(node_arg):
+    return node_arg.meta["example_value"]
+
+
+def inputs(seed, batch=2, length=70, padded=True):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, : length // 5] = 0  # left padding in the first sequence
+    return ids, mask
+
+
+@pytest.mark.parametrize(
+    "family, with_mask",
+    [("llama", True), ("llama", False), ("qwen2", True), ("mistral", True)],
+    ids=["llama-bool-mask+repeat_kv", "llama-is_causal+enable_gqa", "qwen2", "mistral-sliding-window"],
+)
+def test_gqa_families_every_layer_rewritten_with_its_policy(seed, family, with_mask):
+    model = causal_lm(family, "sdpa", seed)
+    ids, mask = inputs(seed)
+    kwargs = {"attention_mask": mask} if with_mask else {}
+    backend = Captured(POLICY)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(ids, **kwargs).logits
+        dma_compile.hf.register(POLICY, impl="reference")
+        eager_dma = causal_lm(family, "dma", seed)(ids, **kwargs).logits
+        sdpa = model(ids, **kwargs).logits
+
+    ops = backend.ops()
+    assert len(ops) == 3 and not backend.sdpa_nodes()
+    assert [op.args[6] for op in ops] == [POLICY.for_layer(i).to_string() for i in range(3)]
+    assert [s.layer for s in backend.reports[-1].rewritten] == [0, 1, 2]
+    # K/V reach the op with their 2 KV heads, and the repeat_kv expansions are gone.
+    assert all(fake(op.args[1]).shape[1] == 2 and fake(op.args[2]).shape[1] == 2 for op in ops)
+    assert not [n for n in backend.graphs[-1].graph.nodes if n.target == "expand" and fake(n).dim() == 5]
+    assert (ops[0].args[3] is not None) == with_mask
+
+    torch.testing.assert_close(compiled, eager_dma, rtol=0, atol=2e-5, msg=f"seed {seed}")
+    valid = mask.bool() if with_mask else torch.ones_like(ids, dtype=torch.bool)
+    error = (compiled - sdpa)[valid].norm() / sdpa[valid].norm()
+    top1 = (compiled.argmax(-1) == sdpa.argmax(-1))[valid].float().mean()
+    assert 1e-4 < error < 0.05 and top1 > 0.9, f"seed {seed}: DMA vs SDPA relative error {error}, top-1 {top1}"
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_gpt2_every_layer_rewritten(seed, with_mask):
+    model = gpt2("sdpa", seed)
+    ids, mask = inputs(seed, length=45)
+    kwargs = {"attention_mask": mask} if with_mask else {}
+    backend = Captured(POLICY)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(ids, **kwargs).logits
+        dma_compile.hf.register(POLICY, impl="reference")
+        eager_dma = gpt2("dma", seed)(ids, **kwargs).logits
+
+    ops = backend.ops()
+    assert len(ops) == 2 and not backend.sdpa_nodes()
+    assert [s.module for s in backend.reports[-1].rewritten] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert [op.args[6] for op in ops] == [POLICY.for_layer(i).to_string() for i in range(2)]
+    torch.testing.assert_close(compiled, eager_dma, rtol=0, atol=2e-5, msg=f"seed {seed}")
+
+
+class Attention(torch.nn.Module):
+    """One SDPA call site with configurable arguments, called twice."""
+
+    def __init__(self, **sdpa_kwargs):
+        super().__init__()
+        self.sdpa_kwargs = sdpa_kwargs
+
+    def forward(self, q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, **self.sdpa_kwargs)
+        return F.scaled_dot_product_attention(out, k, v, **self.sdpa_kwargs)
+
+
+def qkv(heads=4, kv_heads=4, length=37, head_dim=32, dtype=torch.float32, requires_grad=False):
+    q = torch.randn(2, heads, length, head_dim, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(2, kv_heads, length, head_dim, dtype=dtype, requires_grad=requires_grad)
+    v = torch.randn(2, kv_heads, length, head_dim, dtype=dtype, requires_grad=requires_grad)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "sdpa_kwargs, tensors, policy, reason",
+    [
+        ({"dropout_p": 0.5}, {}, AttentionPolicy(), "dropout_p > 0"),
+        ({}, {"head_dim": 48}, AttentionPolicy(), "head_dim 48 is not a multiple of 32"),
+        ({}, {"head_dim": 320}, AttentionPolicy.preset("exact"), "head_dim 320 > 256"),
+        ({}, {"dtype": torch.float64}, AttentionPolicy(), "dtype torch.float64"),
+        ({}, {"requires_grad": True}, AttentionPolicy(), "require grad"),
+    ],
+    ids=["dropout", "head_dim-48-mx", "head_dim-320", "float64", "requires-grad"],
+)
+def test_unservable_call_sites_keep_sdpa_and_log_once(caplog, monkeypatch, sdpa_kwargs, tensors, policy, reason):
+    # Reasons are logged once per process: start from none logged.
+    monkeypatch.setattr(rewrite_sdpa_module, "_logged_reasons", set())
+    backend = Captured(ModelPolicy(default=policy))
+    q, k, v = qkv(**tensors)
+    with caplog.at_level(logging.WARNING, logger="dma_compile.passes.rewrite_sdpa"):
+        torch.compile(Attention(**sdpa_kwargs), backend=backend, fullgraph=True)(q, k, v)
+    assert len(backend.sdpa_nodes()) == 2 and not backend.ops()
+    assert all(reason in s.reason for s in backend.reports[-1].kept)
+    assert sum(reason in r.getMessage() for r in caplog.records) == 1
+
+
+def test_head_dim_not_multiple_of_32_is_served_without_mx(seed):
+    backend = Captured(ModelPolicy(default=AttentionPolicy.preset("exact")))
+    q, k, v = qkv(head_dim=48)
+    out = torch.compile(Attention(is_causal=True), backend=backend, fullgraph=True)(q, k, v)
+    assert len(backend.ops()) == 2
+    torch.testing.assert_close(out, Attention(is_causal=True)(q, k, v), rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+
+
+def test_incompatible_heads_are_kept():
+    args = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
+    with FakeTensorMode():
+        q, k, v = qkv(heads=6, kv_heads=4)
+        gqa = unsupported_reason({**args, "query": q, "key": k, "value": v, "enable_gqa": True}, AttentionPolicy())
+        plain = unsupported_reason({**args, "query": q, "key": k, "value": v, "enable_gqa": False}, AttentionPolicy())
+        q, k, v = qkv(heads=6, kv_heads=2)
+        ok = unsupported_reason({**args, "query": q, "key": k, "value": v, "enable_gqa": True}, AttentionPolicy())
+    assert "enable_gqa with incompatible heads (6 query, 4 key/value)" in gqa
+    assert "heads differ without enable_gqa" in plain
+    assert ok is None
+
+
+def test_positional_and_keyword_arguments(seed):
+    q, k, v = qkv(length=50)
+    mask = torch.rand(1, 1, 50, 50) > 0.3
+
+    def f(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=0.3)
+
+    policy = AttentionPolicy(tile=32)
+    backend = Captured(ModelPolicy(default=policy))
+    out = torch.compile(f, backend=backend, fullgraph=True)(q, k, v, mask)
+    (op,) = backend.ops()
+    assert op.args[4:] == (False, 0.3, policy.to_string(), "reference")
+    expected = dma_attention(q, k, v, mask, is_causal=False, scale=0.3, policy=policy, impl="reference")
+    assert torch.equal(out, expected), f"seed {seed}"
+
+
+def test_repeat_interleave_is_traced_back_to_kv_heads(seed):
+    q, k, v = qkv(heads=6, kv_heads=2)
+
+    def f(q, k, v):
+        k6, v6 = k.repeat_interleave(3, dim=1), torch.repeat_interleave(v, 3, dim=1)
+        return F.scaled_dot_product_attention(q, k6, v6, is_causal=True)
+
+    backend = Captured(ModelPolicy(default=AttentionPolicy(tile=32)))
+    out = torch.compile(f, backend=backend, fullgraph=True)(q, k, v)
+    (op,) = backend.ops()
+    assert fake(op.args[1]).shape[1] == 2 and backend.reports[-1].rewritten[0].unexpanded_kv
+    expected = dma_attention(q, k, v, is_causal=True, policy=AttentionPolicy(tile=32), impl="reference")
+    assert torch.equal(out, expected), f"seed {seed}"
+
+
+def test_head_major_expansion_is_not_mistaken_for_gqa(seed):
+    """k[:, None].expand(B, R, Hkv, ...) makes head h read KV head h % Hkv, not
+    h // R: the op must get the expanded tensors."""
+    q, k, v = qkv(heads=6, kv_heads=2)
+
+    def f(q, k, v):
+        k6 = k[:, None].expand(2, 3, 2, 37, 32).reshape(2, 6, 37, 32)
+        v6 = v[:, None].expand(2, 3, 2, 37, 32).reshape(2, 6, 37, 32)
+        return F.scaled_dot_product_attention(q, k6, v6, is_causal=True)
+
+    backend = Captured(ModelPolicy(default=AttentionPolicy(tile=32)))
+    out = torch.compile(f, backend=backend, fullgraph=True)(q, k, v)
+    (op,) = backend.ops()
+    assert fake(op.args[1]).shape[1] == 6 and not backend.reports[-1].rewritten[0].unexpanded_kv
+    k6, v6 = k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1)
+    expected = dma_attention(q, k6, v6, is_causal=True, policy=AttentionPolicy(tile=32), impl="reference")
+    assert torch.equal(out, expected), f"seed {seed}"
+
+
+def test_kv_mutated_after_expansion_is_not_traced_back(seed):
+    """repeat_kv copies K/V; an in-place update of the source afterwards must not
+    reach the attention."""
+    q, k, v = qkv(heads=6, kv_heads=2)
+
+    def f(q, k, v):
+        k6 = k[:, :, None].expand(2, 2, 3, 37, 32).reshape(2, 6, 37, 32)
+        v6 = v[:, :, None].expand(2, 2, 3, 37, 32).reshape(2, 6, 37, 32)
+        k.mul_(2)
+        return F.scaled_dot_product_attention(q, k6, v6, is_causal=True)
+
+    backend = Captured(ModelPolicy(default=AttentionPolicy(tile=32)))
+    k6, v6 = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    out = torch.compile(f, backend=backend, fullgraph=True)(q, k.clone(), v)
+    assert not backend.reports[-1].rewritten[0].unexpanded_kv
+    expected = dma_attention(q, k6, v6, is_causal=True, policy=AttentionPolicy(tile=32), impl="reference")
+    assert torch.equal(out, expected), f"seed {seed}"
+
+
+def test_aten_sdpa_in_exported_graph(seed):
+    class RepeatKV(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            k = k[:, :, None].expand(2, 2, 3, 37, 32).reshape(2, 6, 37, 32)
+            v = v[:, :, None].expand(2, 2, 3, 37, 32).reshape(2, 6, 37, 32)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2)
+
+    q, k, v = qkv(heads=6, kv_heads=2)
+    mask = torch.rand(37, 37) > 0.2
+    gm = torch.export.export(RepeatKV(), (q, k, v, mask)).graph_module
+    assert any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in gm.graph.nodes)
+    policy = AttentionPolicy(tile=32)
+    report = rewrite_sdpa(gm.graph, ModelPolicy(default=policy), impl="reference")
+    gm.recompile()
+    assert len(report.rewritten) == 1 and report.rewritten[0].unexpanded_kv
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.expand.default]
+    expected = dma_attention(q, k, v, mask, scale=0.2, policy=policy, impl="reference")
+    assert torch.equal(gm(q, k, v, mask)[0], expected), f"seed {seed}"
+
+
+def test_policy_for_fewer_layers_is_an_error(seed):
+    graphs = []
+    model = causal_lm("llama", "sdpa", seed)
+    ids, _ = inputs(seed, padded=False)
+    with torch.no_grad():
+        torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(ids)
+    policy = ModelPolicy(default=AttentionPolicy(), num_layers=2)
+    with pytest.raises(ValueError, match="calibrated for 2 layers.*model.layers.2.self_attn is layer 2"):
+        rewrite_sdpa(copy.deepcopy(graphs[0]).graph, policy)
+
+
+@pytest.mark.parametrize(
+    "source, path, layer",
+    [
+        ("L['self'].model.layers.3.self_attn", "model.layers.3.self_attn", 3),
+        ("L['args'][0].model.layers[11].self_attn", "model.layers.11.self_attn", 11),
+        ("L['self']._modules['encoder']._modules['block']._modules['2'].layer.0", "encoder.block.2.layer.0", 2),
+        ("transformer.h.5.attn", "transformer.h.5.attn", 5),
+        ("L['self'].attn", "attn", None),
+        ("", None, None),
+    ],
+)
+def test_module_path_and_layer_index(source, path, layer):
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["nn_module_stack"] = {"outer": ("L['self'].model", object), "inner": (source, object)}
+    assert module_path(node) == path
+    assert layer_index(module_path(node)) == layer
+
+
+def test_bind_sdpa_args_rejects_unknown_keywords():
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    node = graph.call_function(torch._C._nn.scaled_dot_product_attention, (q, k, v), {"softcap": 2.0})
+    assert bind_sdpa_args(node) is None
+    node = graph.call_function(torch._C._nn.scaled_dot_product_attention, (q, k, v, None, 0.0), {"is_causal": True})
+    assert bind_sdpa_args(node)["is_causal"] is True and bind_sdpa_args(node)["scale"] is None
