@@ -118,3 +118,17 @@ def test_values_fp8(device, dtype, seed):
     assert vt.shape == (*shape[:2], shape[3], -(-shape[2] // 16) * 16)
     expected = formats.round_to_element(v.float() / scale, formats.E4M3)
     assert same(vt[..., : shape[2]].transpose(-1, -2), expected), f"seed {seed}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_statistics_over_several_chunks(device, seed):
+    """K's mean and V's scales from one pass over both, split into chunks of keys
+    (on the CPU too: 4096 // D keys per chunk at least), with a NaN in V."""
+    shape = (1, 2, 333, 32) if device == "cpu" else (2, 3, 20000, 128)
+    k = (torch.randn(shape) * 3 + torch.randn(shape[-1]) * 5).to(torch.bfloat16)
+    v = (torch.randn(shape) * torch.exp2(torch.randint(-8, 9, (shape[-1],)).float())).to(torch.bfloat16)
+    v[0, 1, -1, 2] = float("nan")
+    stats = _q().kv_statistics(k.to(device), v.to(device), key_mean=True, value_scale=True)
+    torch.testing.assert_close(stats.key_mean.cpu(), k.float().mean(dim=-2), rtol=1e-5, atol=1e-5)
+    assert same(stats.value_scales.cpu(), fp8_value_scale(v).squeeze(-2)), f"seed {seed}"
+    assert torch.isnan(stats.value_scales[0, 1, 2]) and not torch.isnan(stats.value_scales[0, 1, 3])

@@ -15,16 +15,29 @@ kernel reads, in its layout (docs/semantics.md gives the math):
   channel.
 
 K's mean over keys (smoothing) and V's per-channel amax come from a small
-reduction pass first. The rounding is bit-identical to `dma_compile.formats`
-(nearest even, saturating, rceil/floor scale rules, E8M0 exponents clamped to
-[-127, 127], NaN/Inf blocks read back NaN).
+reduction pass first: many programs per (batch, head), each over a chunk of
+keys, accumulating element-wise in registers (one cross-thread reduction at
+the end, not one per block of keys), then a tiny kernel that combines the
+chunks. The rounding is bit-identical to `dma_compile.formats` (nearest even,
+saturating, rceil/floor scale rules, E8M0 exponents clamped to [-127, 127],
+NaN/Inf blocks read back NaN).
 
-All element rounding (e4m3, e5m2, e2m1, bf16) is done by exact integer/float
-arithmetic rather than conversion instructions, so the GPU runs the code CI
-checks under Triton's interpreter (whose float32 -> bf16/fp8 casts truncate and
-which cannot multiply bf16 matrices) and Hopper's missing e2m1 conversion needs
-no special case. Kernels take an `HW_CVT` flag (False under the interpreter)
-for the few casts where the hardware instruction is kept for speed.
+Bandwidth is the goal: the token passes load 16-byte vectors of whole tokens
+and write only what the attention kernel reads (Q in format "none" is read
+as given, so it is never copied). Element rounding is where the arithmetic
+goes, so the GPU uses the hardware conversions (`HW_CVT`):
+
+- e4m3 and e5m2 (MX elements, the folded re-rounding, V for FP8 P·V): the
+  `cvt.rn.satfinite` cast, nearest even like `formats` (it matched on every
+  bf16 value in e4m3's range and 2^20 random floats on an H200), after an
+  explicit clamp to the largest normal so saturation is `formats`' and not
+  the instruction's;
+- e2m1 (Hopper has no conversion) and the bf16 outputs (exact for subnormals
+  on every device) stay exact integer/float arithmetic.
+
+Under Triton's interpreter (`HW_CVT` False: its float32 -> bf16/fp8 casts
+truncate) every rounding is that emulation, so CI checks the same numbers the
+GPU computes.
 """
 
 from __future__ import annotations
@@ -119,6 +132,34 @@ def _to_e4m3(x, HW_CVT: tl.constexpr):
 
 
 @triton.jit
+def _on_element_grid(x, FMT: tl.constexpr, HW_CVT: tl.constexpr):
+    """_round_element with the hardware fp8 cast for e4m3/e5m2 where HW_CVT.
+
+    Clamping first makes the saturation explicit (|x| above the largest normal
+    becomes it, as in `formats`) whatever the instruction does past it; the
+    widening back to float32 is exact. NaN gives an unspecified value.
+    """
+    if HW_CVT and FMT == 1:
+        r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+    elif HW_CVT and FMT == 2:
+        r = tl.minimum(tl.maximum(x, -57344.0), 57344.0).to(tl.float8e5).to(tl.float32)
+    else:
+        r = _round_element(x, FMT)
+    return r
+
+
+@triton.jit
+def _e4m3_code(x, HW_CVT: tl.constexpr):
+    """e4m3(x) (nearest even, saturating) as uint8 bits: the clamped hardware
+    cast where HW_CVT, `_e4m3_bits` otherwise. Not for NaN."""
+    if HW_CVT:
+        r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        r = _e4m3_bits(x)
+    return r
+
+
+@triton.jit
 def _round_bf16_bits(x):
     """bf16(x), nearest even, built from the float32 bits (exact on every
     device, subnormals included; the interpreter's own cast truncates)."""
@@ -186,9 +227,24 @@ def _scale_exponent(amax, EMAX: tl.constexpr, MAX_FRAC: tl.constexpr, RCEIL: tl.
 
 
 @triton.jit
-def _quantize_mx(x, ok, row_ok, OUT, EXPS, out_offs, row_offs,
-                 FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr):
-    """MX-quantize x (tokens, D // 32, 32) and store the exact or folded form."""
+def _block_amax(x):
+    """Per block of 32 of x (tokens, D // 32, 32): the amax of |x| and whether
+    the block holds NaN or Inf (it then gets a NaN scale and reads back NaN).
+
+    |x|'s float32 bits order like |x|, with Inf and NaN above every finite
+    value, so one integer max gives both. Shared by the formats of one pass.
+    A bad block's amax reads as float32's largest value: its elements, then
+    overwritten, are scaled down and cannot overflow.
+    """
+    block_max = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    bad = block_max >= 0x7F800000
+    return tl.where(bad, 0x7F7FFFFF, block_max).to(tl.float32, bitcast=True), bad
+
+
+@triton.jit
+def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, out_offs, row_offs,
+                 FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr):
+    """MX-quantize x (tokens, D // 32, 32) with its blocks' `_block_amax`; store the exact or folded form."""
     if FMT == 1:
         EMAX: tl.constexpr = 8
         MAX_FRAC: tl.constexpr = 0x600000
@@ -198,25 +254,20 @@ def _quantize_mx(x, ok, row_ok, OUT, EXPS, out_offs, row_offs,
     else:
         EMAX: tl.constexpr = 2
         MAX_FRAC: tl.constexpr = 0x400000
-    ax = tl.abs(x)
-    finite = ax < float("inf")
-    # A block holding NaN or Inf gets a NaN scale: it reads back NaN.
-    bad = tl.max((~finite).to(tl.int32), axis=2) > 0
-    amax = tl.max(tl.where(finite, ax, 0.0), axis=2)
     s = _scale_exponent(amax, EMAX, MAX_FRAC, RCEIL)
-    elem = _round_element(x * _pow2(-s)[:, :, None], FMT)
+    elem = _on_element_grid(x * _pow2(-s)[:, :, None], FMT, HW_CVT)
     if FOLDED:
         # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
         a = tl.max(tl.where(bad, 128, s), axis=1) + (EMAX - 8)
         shift = tl.maximum(s - a[:, None], -126)
-        bits = _e4m3_bits(elem * _pow2(shift)[:, :, None])
+        bits = _e4m3_code(elem * _pow2(shift)[:, :, None], HW_CVT)
         bits = tl.where(bad[:, :, None], 0x7F, bits)
         tl.store(OUT + out_offs, bits, mask=ok)
         tl.store(EXPS + row_offs, a, mask=row_ok)
     else:
-        # Two steps keep the power of two normal for s = -127.
-        deq = (elem * _pow2(s + 1)[:, :, None]) * 0.5
-        deq = tl.where(bad[:, :, None], float("nan"), deq)
+        # NaN before scaling (a bad block's elements could overflow); two
+        # steps keep the power of two normal for s = -127.
+        deq = (tl.where(bad[:, :, None], float("nan"), elem) * _pow2(s + 1)[:, :, None]) * 0.5
         tl.store(OUT + out_offs, _round_bf16_bits(deq), mask=ok)
 
 
@@ -230,6 +281,8 @@ def _quantize_tokens_kernel(
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
+    """BLOCK_T whole tokens of one (batch, head): each thread loads 16-byte
+    runs along D (contiguous when sx_d is 1, which Triton specializes on)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -243,15 +296,18 @@ def _quantize_tokens_kernel(
     src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
     x = _to_f32(tl.load(src + t.to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
     if SMOOTH:
-        x = x - tl.load(MEAN + pid_bh * D + d)
+        # Loaded at x's full shape (L1 hits after the first token): a [1, D]
+        # load would get a layout of its own that the whole pass then adopts.
+        x = x - tl.load(MEAN + pid_bh * D + (d + t * 0))
     out_offs = pid_bh.to(tl.int64) * L * D + t * D + d
     row_offs = pid_bh.to(tl.int64) * L + t1
     if WRITE_NONE:
         tl.store(NONE_OUT + out_offs, _to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
     if FMT1 != 0:
-        _quantize_mx(x, ok, row_ok, OUT1, EXPS1, out_offs, row_offs, FMT1, FOLDED, RCEIL)
-    if FMT2 != 0:
-        _quantize_mx(x, ok, row_ok, OUT2, EXPS2, out_offs, row_offs, FMT2, FOLDED, RCEIL)
+        amax, bad = _block_amax(x)
+        _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, out_offs, row_offs, FMT1, FOLDED, RCEIL, HW_CVT)
+        if FMT2 != 0:
+            _quantize_mx(x, amax, bad, ok, row_ok, OUT2, EXPS2, out_offs, row_offs, FMT2, FOLDED, RCEIL, HW_CVT)
 
 
 @triton.jit
@@ -261,16 +317,21 @@ def _kv_stats_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """Per chunk of keys: the fp32 sum of K and the amax of |V| (NaN kept)."""
+    """Per chunk of keys: the fp32 sum of K and the amax of |V| (NaN if any).
+
+    The loop only loads and accumulates element-wise in registers, so loads
+    of several iterations and programs overlap; the one cross-thread
+    reduction is after it. |V|'s float32 bits order like |V| with NaN above
+    everything, so an integer max keeps the NaN (its bits read back NaN).
+    """
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     dk = tl.arange(0, D)
     dv = tl.arange(0, DV)
-    ksum = tl.zeros([D], dtype=tl.float32)
-    vmax = tl.zeros([DV], dtype=tl.float32)
-    vnan = tl.zeros([DV], dtype=tl.int32)
+    ksum = tl.zeros([BLOCK_L, D], dtype=tl.float32)
+    vmax_bits = tl.zeros([BLOCK_L, DV], dtype=tl.int32)
     k_src = K + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
     v_src = V + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
     start = pid_c * CHUNK
@@ -279,32 +340,36 @@ def _kv_stats_kernel(
         ok = (rows < L)[:, None]
         if NEED_K:
             kt = tl.load(k_src + rows[:, None].to(tl.int64) * sk_l + dk[None, :] * sk_d, mask=ok, other=0.0)
-            ksum += tl.sum(_to_f32(kt, HW_CVT), axis=0)
+            ksum += _to_f32(kt, HW_CVT)
         if NEED_V:
             vt = tl.load(v_src + rows[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d, mask=ok, other=0.0)
-            va = tl.abs(_to_f32(vt, HW_CVT))
-            vnan = tl.maximum(vnan, tl.max((va != va).to(tl.int32), axis=0))
-            vmax = tl.maximum(vmax, tl.max(tl.where(va == va, va, 0.0), axis=0))
+            vmax_bits = tl.maximum(vmax_bits, _to_f32(vt, HW_CVT).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     if NEED_K:
-        tl.store(KSUM + (pid_bh * N_CHUNKS + pid_c) * D + dk, ksum)
+        tl.store(KSUM + (pid_bh * N_CHUNKS + pid_c) * D + dk, tl.sum(ksum, axis=0))
     if NEED_V:
-        tl.store(VMAX + (pid_bh * N_CHUNKS + pid_c) * DV + dv, tl.where(vnan > 0, float("nan"), vmax))
+        vmax = tl.max(vmax_bits, axis=0).to(tl.float32, bitcast=True)
+        tl.store(VMAX + (pid_bh * N_CHUNKS + pid_c) * DV + dv, vmax)
 
 
 @triton.jit
 def _kv_stats_finalize_kernel(
-    KSUM, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS, L,
+    KSUM, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS, N_KEYS,
     NCH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr,
 ):
-    """K's mean over keys; V's per-channel e4m3 scale 2^e, the smallest with amax / 2^e <= 448."""
+    """K's mean over keys; V's per-channel e4m3 scale 2^e, the smallest with amax / 2^e <= 448.
+
+    N_KEYS is the key count as a float (exact below 2^24): the mean divides
+    by it with correct rounding (div_rn), as torch.mean's division does, where
+    `/` may compile to an approximate division.
+    """
     pid_bh = tl.program_id(0)
     c = tl.arange(0, NCH)[:, None]
     c_ok = c < N_CHUNKS
     if NEED_K:
         dk = tl.arange(0, D)
         parts = tl.load(KSUM + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0.0)
-        tl.store(MEAN + pid_bh * D + dk, tl.sum(parts, axis=0) / L)
+        tl.store(MEAN + pid_bh * D + dk, tl.math.div_rn(tl.sum(parts, axis=0), N_KEYS))
     if NEED_V:
         dv = tl.arange(0, DV)
         parts = tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0)
@@ -323,7 +388,11 @@ def _quantize_v_kernel(
     V, sv_b, sv_h, sv_l, sv_d, VEXP, OUT, H, L, L_PAD,
     DV: tl.constexpr, BLOCK_T: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """e4m3(V / 2^e) per channel, stored transposed: OUT (B*H, DV, L_PAD)."""
+    """e4m3(V / 2^e) per channel, stored transposed: OUT (B*H, DV, L_PAD).
+
+    BLOCK_T keys per program so each channel's row of the output is written
+    as one run of BLOCK_T bytes (Triton transposes through shared memory).
+    """
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -337,7 +406,7 @@ def _quantize_v_kernel(
     # 2^-e in two normal factors: e can lie outside float32's normal range.
     half = (-e) >> 1
     x = _to_f32(v, HW_CVT) * _pow2(half)[None, :] * _pow2(-e - half)[None, :]
-    bits = tl.where((e == V_NAN_EXPONENT)[None, :], 0x7F, _e4m3_bits(x))
+    bits = tl.where((e == V_NAN_EXPONENT)[None, :], 0x7F, _e4m3_code(x, HW_CVT))
     dst = OUT + pid_bh.to(tl.int64) * DV * L_PAD
     tl.store(dst + d[:, None] * L_PAD + t[None, :], tl.trans(bits), mask=ok[None, :])
 
@@ -356,6 +425,8 @@ class Operand:
 
 
 def _token_block(d: int) -> int:
+    """Tokens per program of the token pass: 4096 elements, 32 per thread of
+    4 warps, i.e. four 16-byte loads of a 16-bit input in flight each."""
     return max(8, 4096 // d)
 
 
@@ -427,13 +498,21 @@ class KVStatistics:
 
 
 def kv_statistics(k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale: bool) -> KVStatistics:
-    """One pass over K and V (chunked over keys, then a small finalize kernel)."""
+    """One pass over K and V (chunked over keys, then a small finalize kernel).
+
+    The mean's float32 sum runs in another order than torch's (a few ulps
+    apart); its division is correctly rounded.
+    """
     b, h, length, d = k.shape
     dv = v.shape[-1]
     if not (key_mean or value_scale):
         return KVStatistics(None, None, None)
-    block_l = 32
-    chunk = max(256, triton.cdiv(triton.cdiv(length, 256), block_l) * block_l)
+    # 4096 elements per tensor and loop step (32 per thread, 16-byte loads);
+    # about 2048 programs over all (batch, head)s keep every SM's loads in
+    # flight, with at most 256 chunks per head for the finalize kernel.
+    block_l = max(1, 4096 // max(d, dv))
+    n_chunks = max(1, min(triton.cdiv(length, block_l), triton.cdiv(2048, b * h), 256))
+    chunk = max(block_l, triton.cdiv(triton.cdiv(length, n_chunks), block_l) * block_l)
     n_chunks = triton.cdiv(length, chunk)
     dev = k.device
     ksum = torch.empty(b * h, n_chunks, d, dtype=torch.float32, device=dev) if key_mean else None
@@ -450,7 +529,7 @@ def kv_statistics(k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale:
     _kv_stats_finalize_kernel[(b * h,)](
         ksum if key_mean else vmax, vmax if value_scale else ksum,
         some, vexp if value_scale else some, vscale if value_scale else some,
-        n_chunks, length,
+        n_chunks, float(length),
         NCH=triton.next_power_of_2(n_chunks), D=d, DV=dv, NEED_K=key_mean, NEED_V=value_scale, num_warps=4,
     )
     return KVStatistics(mean, vexp, vscale)
@@ -461,9 +540,10 @@ def quantize_values_fp8(v: torch.Tensor, value_exponents: torch.Tensor) -> torch
     b, h, length, dv = v.shape
     l_pad = triton.cdiv(length, 16) * 16
     out = torch.empty(b, h, dv, l_pad, dtype=torch.float8_e4m3fn, device=v.device)
-    block_t = 64
+    # 128-byte output rows where the tile stays at 16384 elements (64 per thread).
+    block_t = 128 if dv <= 128 else 64
     _quantize_v_kernel[(triton.cdiv(length, block_t), b * h)](
         v, *v.stride(), value_exponents, out.view(torch.uint8), h, length, l_pad,
-        DV=dv, BLOCK_T=block_t, HW_CVT=HW_CVT, num_warps=4,
+        DV=dv, BLOCK_T=block_t, HW_CVT=HW_CVT, num_warps=8,
     )
     return out
