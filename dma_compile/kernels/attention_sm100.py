@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.attention_sm90 import _collapse_expanded_heads, _intersect
 from dma_compile.kernels.masks import CELL, classify_mask
 from dma_compile.kernels.quantize import (
     HW_CVT,
@@ -46,6 +45,7 @@ from dma_compile.kernels.quantize import (
     quantize_values_fp8,
 )
 from dma_compile.kernels.quantize_mx import quantize_payloads
+from dma_compile.kernels.schedule import collapse_expanded_heads, intersect, key_range, precision_band
 from dma_compile.policy import AttentionPolicy
 
 LOG2E = 1.4426950408889634
@@ -237,52 +237,10 @@ def _dma_attention_sm100_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Lq
 
-    # Keys [kv_start, kv_end) are not fully masked for some row of the block;
-    # [u_lo, u_hi) needs no masking for any row. Both are block aligned except
-    # kv_end, which the masking loops handle.
-    kv_start = 0
-    kv_end = Lk
-    u_lo = 0
-    u_hi = (Lk // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        kv_end = tl.minimum(Lk, m0 + BLOCK_M)
-        u_hi = tl.minimum(u_hi, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    if MASK_KIND != 0:
-        cells = m0 // CELL + tl.arange(0, BLOCK_M // CELL)
-        cell_ok = cells * CELL < Lq
-        summary = SUMM + b64 * ss_b + h64 * ss_h + cells * ss_r
-        big = Lk // CELL + 1
-        ns_lo = tl.min(tl.load(summary, mask=cell_ok, other=big), 0)
-        ns_hi = tl.max(tl.load(summary + 1, mask=cell_ok, other=0), 0)
-        f_lo = tl.max(tl.load(summary + 2, mask=cell_ok, other=0), 0)
-        f_hi = tl.min(tl.load(summary + 3, mask=cell_ok, other=big), 0)
-        kv_start = ((ns_lo * CELL) // BLOCK_N) * BLOCK_N
-        kv_end = tl.minimum(kv_end, ns_hi * CELL)
-        u_lo = tl.cdiv(f_lo * CELL, BLOCK_N) * BLOCK_N
-        u_hi = tl.minimum(u_hi, ((f_hi * CELL) // BLOCK_N) * BLOCK_N)
-    kv_end = tl.maximum(kv_end, kv_start)
-    u_lo = tl.minimum(tl.maximum(u_lo, kv_start), kv_end)
-    u_hi = tl.maximum(tl.minimum(u_hi, (kv_end // BLOCK_N) * BLOCK_N), u_lo)
-
-    # The high format runs on [0, sink_end) and [band_s, band_e), the low one elsewhere.
-    if ONE_CLASS:
-        sink_end = 0
-        band_s = 0
-        band_e = 0
-    else:
-        q_first = (m0 // TILE) * TILE
-        q_last = tl.minimum(q_first + TILE, Lq) - 1
-        if IS_CAUSAL:
-            offset = 0
-        else:
-            offset = Lk - Lq
-        # Shifted by a multiple of TILE so that // floors a non-negative number.
-        pad = tl.cdiv(Lq, TILE) * TILE
-        band_lo = (q_first + offset + pad) // TILE - pad // TILE - (DIAG_TILES - 1)
-        band_hi = (q_last + offset + pad) // TILE - pad // TILE + (DIAG_TILES - 1)
-        sink_end = SINK_TILES * TILE
-        band_s = tl.maximum(band_lo * TILE, sink_end)
-        band_e = tl.maximum((band_hi + 1) * TILE, band_s)
+    kv_start, kv_end, u_lo, u_hi = key_range(
+        m0, Lq, Lk, SUMM + b64 * ss_b + h64 * ss_h, ss_r, IS_CAUSAL, MASK_KIND != 0, CELL, BLOCK_M, BLOCK_N
+    )
+    sink_end, band_s, band_e = precision_band(m0, Lq, Lk, SINK_TILES, DIAG_TILES, TILE, IS_CAUSAL, ONE_CLASS)
 
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -296,22 +254,22 @@ def _dma_attention_sm100_kernel(
     k_tokens = (b64 * Hk + hk64) * Lk
 
     # Low format: [sink_end, band_s) and [band_e, kv_end).
-    lo0s, lo0e = _intersect(sink_end, band_s, kv_start, kv_end)
-    lo1s, lo1e = _intersect(band_e, kv_end, kv_start, kv_end)
+    lo0s, lo0e = intersect(sink_end, band_s, kv_start, kv_end)
+    lo1s, lo1e = intersect(band_e, kv_end, kv_start, kv_end)
     q, qs = _load_q(QL + b64 * sql_b + h64 * sql_h, QLS + q_tokens * LO_SW, sql_l, offs_m, row_ok,
                     D, LO_KIND, LO_FMT)
     k_base = KL + b64 * skl_b + hk64 * skl_h
     ks_base = KLS + k_tokens * LO_SW
-    a0, a1 = _intersect(lo0s, lo0e, u_lo, u_hi)
-    b0, b1 = _intersect(lo1s, lo1e, u_lo, u_hi)
+    a0, a1 = intersect(lo0s, lo0e, u_lo, u_hi)
+    b0, b1 = intersect(lo1s, lo1e, u_lo, u_hi)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skl_l, v_base, sv_l, sv_d,
         mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
         BLOCK_N, D, DV, LO_KIND, LO_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
-    a0, a1 = _intersect(lo0s, lo0e, kv_start, u_lo)
-    b0, b1 = _intersect(lo0s, lo0e, u_hi, kv_end)
-    c0, c1 = _intersect(lo1s, lo1e, kv_start, u_lo)
-    d0, d1 = _intersect(lo1s, lo1e, u_hi, kv_end)
+    a0, a1 = intersect(lo0s, lo0e, kv_start, u_lo)
+    b0, b1 = intersect(lo0s, lo0e, u_hi, kv_end)
+    c0, c1 = intersect(lo1s, lo1e, kv_start, u_lo)
+    d0, d1 = intersect(lo1s, lo1e, u_hi, kv_end)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skl_l, v_base, sv_l, sv_d,
         mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
@@ -319,22 +277,22 @@ def _dma_attention_sm100_kernel(
 
     if not ONE_CLASS:
         # High format: [0, sink_end) and [band_s, band_e).
-        hi0s, hi0e = _intersect(0, sink_end, kv_start, kv_end)
-        hi1s, hi1e = _intersect(band_s, band_e, kv_start, kv_end)
+        hi0s, hi0e = intersect(0, sink_end, kv_start, kv_end)
+        hi1s, hi1e = intersect(band_s, band_e, kv_start, kv_end)
         q, qs = _load_q(QH + b64 * sqh_b + h64 * sqh_h, QHS + q_tokens * HI_SW, sqh_l, offs_m, row_ok,
                         D, HI_KIND, HI_FMT)
         k_base = KH + b64 * skh_b + hk64 * skh_h
         ks_base = KHS + k_tokens * HI_SW
-        a0, a1 = _intersect(hi0s, hi0e, u_lo, u_hi)
-        b0, b1 = _intersect(hi1s, hi1e, u_lo, u_hi)
+        a0, a1 = intersect(hi0s, hi0e, u_lo, u_hi)
+        b0, b1 = intersect(hi1s, hi1e, u_lo, u_hi)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skh_l, v_base, sv_l, sv_d,
             mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
             BLOCK_N, D, DV, HI_KIND, HI_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
-        a0, a1 = _intersect(hi0s, hi0e, kv_start, u_lo)
-        b0, b1 = _intersect(hi0s, hi0e, u_hi, kv_end)
-        c0, c1 = _intersect(hi1s, hi1e, kv_start, u_lo)
-        d0, d1 = _intersect(hi1s, hi1e, u_hi, kv_end)
+        a0, a1 = intersect(hi0s, hi0e, kv_start, u_lo)
+        b0, b1 = intersect(hi0s, hi0e, u_hi, kv_end)
+        c0, c1 = intersect(hi1s, hi1e, kv_start, u_lo)
+        d0, d1 = intersect(hi1s, hi1e, u_hi, kv_end)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skh_l, v_base, sv_l, sv_d,
             mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
@@ -492,7 +450,7 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
     """
     _check_supported(q, v, policy)
     b, hq, lq, d = q.shape
-    k, v = _collapse_expanded_heads(k, v)
+    k, v = collapse_expanded_heads(k, v)
     lk, dv = k.shape[2], v.shape[-1]
     default_m, default_n = default_block_sizes(policy.tile, max(d, dv))
     block_m, block_n = block_m or default_m, block_n or default_n

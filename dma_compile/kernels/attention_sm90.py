@@ -43,6 +43,7 @@ from dma_compile.kernels.quantize import (
     quantize_tokens,
     quantize_values_fp8,
 )
+from dma_compile.kernels.schedule import collapse_expanded_heads, intersect, key_range, precision_band
 from dma_compile.policy import AttentionPolicy
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -84,12 +85,6 @@ def _row_scales(QA, rows, row_ok, sm_scale, KIND: tl.constexpr, BLOCK_M: tl.cons
     else:
         r = tl.full([BLOCK_M], 1.0, tl.float32) * sm_scale
     return r
-
-
-@triton.jit
-def _intersect(a0, a1, b0, b1):
-    lo = tl.maximum(a0, b0)
-    return lo, tl.maximum(tl.minimum(a1, b1), lo)
 
 
 @triton.jit
@@ -203,53 +198,10 @@ def _dma_attention_kernel(
     row_ok = offs_m < Lq
     offs_d = tl.arange(0, HEAD_DIM)
 
-    # Keys [kv_start, kv_end) are not fully masked for some row of the block;
-    # [u_lo, u_hi) needs no masking for any row. Both are block aligned except
-    # kv_end, which the masking loops handle.
-    kv_start = 0
-    kv_end = Lk
-    u_lo = 0
-    u_hi = (Lk // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        kv_end = tl.minimum(Lk, m0 + BLOCK_M)
-        u_hi = tl.minimum(u_hi, ((m0 + 1) // BLOCK_N) * BLOCK_N)
-    if MASK_KIND != 0:
-        cells = m0 // CELL + tl.arange(0, BLOCK_M // CELL)
-        cell_ok = cells * CELL < Lq
-        sp = SUMM + b64 * ss_b + h.to(tl.int64) * ss_h + cells * ss_r
-        big = Lk // CELL + 1
-        ns_lo = tl.min(tl.where(cell_ok, tl.load(sp, mask=cell_ok, other=0), big), 0)
-        ns_hi = tl.max(tl.where(cell_ok, tl.load(sp + 1, mask=cell_ok, other=0), 0), 0)
-        f_lo = tl.max(tl.where(cell_ok, tl.load(sp + 2, mask=cell_ok, other=0), 0), 0)
-        f_hi = tl.min(tl.where(cell_ok, tl.load(sp + 3, mask=cell_ok, other=0), big), 0)
-        kv_start = ((ns_lo * CELL) // BLOCK_N) * BLOCK_N
-        kv_end = tl.minimum(kv_end, ns_hi * CELL)
-        u_lo = tl.cdiv(f_lo * CELL, BLOCK_N) * BLOCK_N
-        u_hi = tl.minimum(u_hi, ((f_hi * CELL) // BLOCK_N) * BLOCK_N)
-    kv_end = tl.maximum(kv_end, kv_start)
-    u_lo = tl.minimum(tl.maximum(u_lo, kv_start), kv_end)
-    u_hi = tl.maximum(tl.minimum(u_hi, (kv_end // BLOCK_N) * BLOCK_N), u_lo)
-
-    # Precision classes of this block's query tile (docs/semantics.md): the
-    # high format on [0, sink_end) and [band_s, band_e), the low one elsewhere.
-    if ONE_CLASS:
-        sink_end = 0
-        band_s = 0
-        band_e = 0
-    else:
-        q_first = (m0 // TILE) * TILE
-        q_last = tl.minimum(q_first + TILE, Lq) - 1
-        if IS_CAUSAL:
-            offset = 0
-        else:
-            offset = Lk - Lq
-        # Shifted by a multiple of TILE so that // floors a non-negative number.
-        pad = tl.cdiv(Lq, TILE) * TILE
-        band_lo = (q_first + offset + pad) // TILE - pad // TILE - (DIAG_TILES - 1)
-        band_hi = (q_last + offset + pad) // TILE - pad // TILE + (DIAG_TILES - 1)
-        sink_end = SINK_TILES * TILE
-        band_s = tl.maximum(band_lo * TILE, sink_end)
-        band_e = tl.maximum((band_hi + 1) * TILE, band_s)
+    kv_start, kv_end, u_lo, u_hi = key_range(
+        m0, Lq, Lk, SUMM + b64 * ss_b + h.to(tl.int64) * ss_h, ss_r, IS_CAUSAL, MASK_KIND != 0, CELL, BLOCK_M, BLOCK_N
+    )
+    sink_end, band_s, band_e = precision_band(m0, Lq, Lk, SINK_TILES, DIAG_TILES, TILE, IS_CAUSAL, ONE_CLASS)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -258,23 +210,23 @@ def _dma_attention_kernel(
     mask_base = MASK + b64 * sm_b + h.to(tl.int64) * sm_h
 
     # Low format: [sink_end, band_s) and [band_e, kv_end).
-    lo0s, lo0e = _intersect(sink_end, band_s, kv_start, kv_end)
-    lo1s, lo1e = _intersect(band_e, kv_end, kv_start, kv_end)
+    lo0s, lo0e = intersect(sink_end, band_s, kv_start, kv_end)
+    lo1s, lo1e = intersect(band_e, kv_end, kv_start, kv_end)
     q = tl.load(Q_LO + b64 * sql_b + h.to(tl.int64) * sql_h + offs_m[:, None] * sql_m + offs_d[None, :] * sql_d,
                 mask=row_ok[:, None], other=0.0)
     q_scale = _row_scales(QA_LO + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, LO_KIND, BLOCK_M)
     k_base = K_LO + b64 * skl_b + hk.to(tl.int64) * skl_h
     ka_base = KA_LO + (b64 * Hk + hk) * Lk
-    a0, a1 = _intersect(lo0s, lo0e, u_lo, u_hi)
-    b0, b1 = _intersect(lo1s, lo1e, u_lo, u_hi)
+    a0, a1 = intersect(lo0s, lo0e, u_lo, u_hi)
+    b0, b1 = intersect(lo1s, lo1e, u_lo, u_hi)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_scale, k_base, ka_base, skl_n, skl_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
         offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
         LO_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
-    a0, a1 = _intersect(lo0s, lo0e, kv_start, u_lo)
-    b0, b1 = _intersect(lo0s, lo0e, u_hi, kv_end)
-    c0, c1 = _intersect(lo1s, lo1e, kv_start, u_lo)
-    d0, d1 = _intersect(lo1s, lo1e, u_hi, kv_end)
+    a0, a1 = intersect(lo0s, lo0e, kv_start, u_lo)
+    b0, b1 = intersect(lo0s, lo0e, u_hi, kv_end)
+    c0, c1 = intersect(lo1s, lo1e, kv_start, u_lo)
+    d0, d1 = intersect(lo1s, lo1e, u_hi, kv_end)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_scale, k_base, ka_base, skl_n, skl_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
         offs_m, Lq, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
@@ -282,23 +234,23 @@ def _dma_attention_kernel(
 
     if not ONE_CLASS:
         # High format: [0, sink_end) and [band_s, band_e).
-        hi0s, hi0e = _intersect(0, sink_end, kv_start, kv_end)
-        hi1s, hi1e = _intersect(band_s, band_e, kv_start, kv_end)
+        hi0s, hi0e = intersect(0, sink_end, kv_start, kv_end)
+        hi1s, hi1e = intersect(band_s, band_e, kv_start, kv_end)
         q = tl.load(Q_HI + b64 * sqh_b + h.to(tl.int64) * sqh_h + offs_m[:, None] * sqh_m + offs_d[None, :] * sqh_d,
                     mask=row_ok[:, None], other=0.0)
         q_scale = _row_scales(QA_HI + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, HI_KIND, BLOCK_M)
         k_base = K_HI + b64 * skh_b + hk.to(tl.int64) * skh_h
         ka_base = KA_HI + (b64 * Hk + hk) * Lk
-        a0, a1 = _intersect(hi0s, hi0e, u_lo, u_hi)
-        b0, b1 = _intersect(hi1s, hi1e, u_lo, u_hi)
+        a0, a1 = intersect(hi0s, hi0e, u_lo, u_hi)
+        b0, b1 = intersect(hi1s, hi1e, u_lo, u_hi)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, q_scale, k_base, ka_base, skh_n, skh_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
             offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
             HI_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
-        a0, a1 = _intersect(hi0s, hi0e, kv_start, u_lo)
-        b0, b1 = _intersect(hi0s, hi0e, u_hi, kv_end)
-        c0, c1 = _intersect(hi1s, hi1e, kv_start, u_lo)
-        d0, d1 = _intersect(hi1s, hi1e, u_hi, kv_end)
+        a0, a1 = intersect(hi0s, hi0e, kv_start, u_lo)
+        b0, b1 = intersect(hi0s, hi0e, u_hi, kv_end)
+        c0, c1 = intersect(hi1s, hi1e, kv_start, u_lo)
+        d0, d1 = intersect(hi1s, hi1e, u_hi, kv_end)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, q_scale, k_base, ka_base, skh_n, skh_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
             offs_m, Lq, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
@@ -374,13 +326,6 @@ def _check(q, v, scale, policy: AttentionPolicy) -> None:
         raise Unsupported("fp8 tensor cores (folded MX or pv='fp8') need compute capability 8.9 or newer")
 
 
-def _collapse_expanded_heads(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V expanded over heads with stride 0 (e.g. a repeated single KV head) become one head: no copy."""
-    if k.shape[1] > 1 and k.stride(1) == 0 and v.stride(1) == 0:
-        return k[:, :1], v[:, :1]
-    return k, v
-
-
 def _class_operands(q, k, policy: AttentionPolicy, key_mean) -> dict[str, tuple[Operand, Operand]]:
     """(Q, K) operands of each format the policy uses, from one quantization pass each."""
     mx_formats = tuple(f for f in policy.formats if f != "none")
@@ -413,7 +358,7 @@ class QuantizedInputs:
 def quantize_inputs(q, k, v, policy: AttentionPolicy) -> QuantizedInputs:
     """The quantization pass: K statistics, then Q, K (and V) in the kernel's layouts.
 
-    k and v must already have their stride-0 heads collapsed (`_collapse_expanded_heads`).
+    k and v must already have their stride-0 heads collapsed (`schedule.collapse_expanded_heads`).
     """
     stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8")
     ops = _class_operands(q, k, policy, stats.key_mean)
@@ -483,6 +428,6 @@ def attention_sm90(
     b, hq, lq, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     _check(q, v, scale, policy)
-    k, v = _collapse_expanded_heads(k, v)
+    k, v = collapse_expanded_heads(k, v)
     shape = (b, hq, k.shape[1], lq, k.shape[2], d, v.shape[-1])
     return attention_from_quantized(quantize_inputs(q, k, v, policy), shape, attn_mask, is_causal, scale, policy, config)
