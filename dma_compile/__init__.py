@@ -6,6 +6,7 @@ another format the policy names) elsewhere. `torch.compile(model,
 backend="dma")` rewrites a model's SDPA calls into it.
 """
 
+from dma_compile.calibrate import calibrate
 from dma_compile.formats import quantize_mx
 from dma_compile.ops import dma_attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
@@ -16,7 +17,6 @@ __version__ = "0.1.0"
 _LAZY = {
     "dma_backend": "dma_compile.backend",
     "install_inductor_pass": "dma_compile.backend",
-    "calibrate": "dma_compile.calibrate",
 }
 
 
@@ -31,6 +31,7 @@ def __getattr__(name):
 __all__ = [
     "AttentionPolicy",
     "ModelPolicy",
+    "calibrate",
     "default_policy",
     "dma_attention",
     "quantize_mx",

