@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from tiny_models import causal_lm, gpt2
 
 import dma_compile.hf
 import dma_compile.ops
@@ -41,38 +41,19 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def llama(attn_implementation: str, seed: int, head_dim: int = 32) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=97, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
-        initializer_range=0.05, attn_implementation=attn_implementation,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def gpt2(attn_implementation: str, seed: int) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=97, n_embd=64, n_layer=2, n_head=2, n_positions=256, initializer_range=0.05,
-        bos_token_id=0, eos_token_id=0, attn_implementation=attn_implementation,
-    )
-    return GPT2LMHeadModel(config).eval()
-
-
 @pytest.mark.gpu
 def test_llama_on_the_gpu_runs_the_kernel(seed, caplog):
     """backend="dma" on CUDA: the kernel (not the reference fallback) serves every
     layer, close to the eager reference of the same policy."""
     dma_compile.ops._warn_fallback_once.cache_clear()
-    model = llama("sdpa", seed, head_dim=64).cuda().to(torch.bfloat16)
+    model = causal_lm("llama", "sdpa", seed, head_dim=64).cuda().to(torch.bfloat16)
     ids = torch.randint(0, 97, (2, 300), generator=torch.Generator().manual_seed(seed)).cuda()
     mask = torch.ones_like(ids)
     mask[0, :37] = 0
     with torch.no_grad(), caplog.at_level(logging.INFO):
         out = torch.compile(model, backend="dma", fullgraph=True)(ids, attention_mask=mask).logits
         dma_compile.hf.register(None, impl="reference")
-        ref = llama("dma", seed, head_dim=64).cuda().to(torch.bfloat16)(ids, attention_mask=mask).logits
+        ref = causal_lm("llama", "dma", seed, head_dim=64).cuda().to(torch.bfloat16)(ids, attention_mask=mask).logits
     assert any("2 of 2 SDPA call sites run dma.attention" in r.getMessage() for r in caplog.records)
     assert not any("instead of the kernel" in r.getMessage() for r in caplog.records)
     valid = mask.bool()
@@ -85,10 +66,10 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_llama_one_compile_for_all_lengths_matches_eager_dma(seed):
     backend = dma_backend(POLICY, impl="reference")
-    model = llama("sdpa", seed)
+    model = causal_lm("llama", "sdpa", seed)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
     dma_compile.hf.register(POLICY, impl="reference")
-    eager_dma = llama("dma", seed)
+    eager_dma = causal_lm("llama", "dma", seed)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for length in (45, 70, 97):
@@ -133,7 +114,7 @@ def op_call_arguments(code: str) -> list[list[str]]:
 def test_inductor_builds_the_mask_once_for_all_layers(seed):
     """transformers' boolean mask reaches every layer's op as one buffer, so it
     is written once and the kernel's per-mask block classification is reused."""
-    model = llama("sdpa", seed)
+    model = causal_lm("llama", "sdpa", seed)
     ids = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(seed))
     compiled = torch.compile(model, backend=dma_backend(POLICY, impl="reference"), fullgraph=True, dynamic=True)
     # Generate the code afresh: a cached entry could predate the op's layout tag.

@@ -4,23 +4,13 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import causal_lm
 
 import dma_compile.hf
 from dma_compile import AttentionPolicy, ModelPolicy
 
 EXACT = AttentionPolicy.preset("exact")
 LOSSY = AttentionPolicy(tile=32, hi="mxfp4_e2m1", lo="mxfp4_e2m1")
-
-
-def llama(attn_implementation: str, seed: int, **config) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=97, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        initializer_range=0.05, attn_implementation=attn_implementation, **config,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 def padded_batch(seed, length=45):
@@ -32,7 +22,7 @@ def padded_batch(seed, length=45):
 
 def test_exact_policy_matches_sdpa_with_padding_and_generation(seed):
     assert dma_compile.hf.register(EXACT, impl="reference") == "dma"
-    sdpa, dma = llama("sdpa", seed), llama("dma", seed)
+    sdpa, dma = causal_lm("llama", "sdpa", seed), causal_lm("llama", "dma", seed)
     ids, mask = padded_batch(seed)
     with torch.no_grad():
         expected, out = sdpa(ids, attention_mask=mask).logits, dma(ids, attention_mask=mask).logits
@@ -49,8 +39,8 @@ def test_each_layer_gets_its_policy(seed, lossy_layer):
     dma_compile.hf.register(ModelPolicy(default=EXACT, layers={lossy_layer: LOSSY}), impl="reference")
     ids, _ = padded_batch(seed, length=80)
     with torch.no_grad():
-        expected = llama("sdpa", seed)(ids, output_hidden_states=True).hidden_states
-        out = llama("dma", seed)(ids, output_hidden_states=True).hidden_states
+        expected = causal_lm("llama", "sdpa", seed)(ids, output_hidden_states=True).hidden_states
+        out = causal_lm("llama", "dma", seed)(ids, output_hidden_states=True).hidden_states
     errors = [((o - e).norm() / e.norm()).item() for o, e in zip(out[1:], expected[1:])]
     assert all(err < 1e-5 for err in errors[:lossy_layer]), f"seed {seed}: {errors}"
     assert errors[lossy_layer] > 1e-3, f"seed {seed}: {errors}"
@@ -59,8 +49,8 @@ def test_each_layer_gets_its_policy(seed, lossy_layer):
 def test_dropout_runs_sdpa_and_logs_why(seed, caplog):
     dma_compile.hf.register(AttentionPolicy(tile=32), impl="reference")
     dma_compile.hf._log_fallback_once.cache_clear()  # reasons are logged once per process
-    sdpa = llama("sdpa", seed, attention_dropout=0.3).train()
-    dma = llama("dma", seed, attention_dropout=0.3).train()
+    sdpa = causal_lm("llama", "sdpa", seed, attention_dropout=0.3).train()
+    dma = causal_lm("llama", "dma", seed, attention_dropout=0.3).train()
     ids, mask = padded_batch(seed)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dma_compile.hf"):
         torch.manual_seed(seed)

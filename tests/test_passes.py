@@ -11,16 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from tiny_models import causal_lm, gpt2
 
 import dma_compile.hf
 from dma_compile import AttentionPolicy, ModelPolicy, dma_attention
@@ -52,33 +43,6 @@ def fresh_dynamo():
 
 
 # GQA decoder families whose attention goes through transformers' sdpa_attention_forward.
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 48}),
-}
-
-
-def causal_lm(family: str, attn_implementation: str, seed: int):
-    config_class, model_class, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    config = config_class(
-        vocab_size=97, hidden_size=128, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        initializer_range=0.05, attn_implementation=attn_implementation, **extra,
-    )
-    return model_class(config).eval()
-
-
-def gpt2(attn_implementation: str, seed: int) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=97, n_embd=64, n_layer=2, n_head=2, n_positions=256, initializer_range=0.1,
-        bos_token_id=0, eos_token_id=0, attn_implementation=attn_implementation,
-    )
-    return GPT2LMHeadModel(config).eval()
-
-
 class Captured:
     """A Dynamo backend that rewrites each graph and runs it eagerly."""
 
@@ -118,14 +82,14 @@ def inputs(seed, batch=2, length=70, padded=True):
     ids=["llama-bool-mask+repeat_kv", "llama-is_causal+enable_gqa", "qwen2", "mistral-sliding-window"],
 )
 def test_gqa_families_every_layer_rewritten_with_its_policy(seed, family, with_mask):
-    model = causal_lm(family, "sdpa", seed)
+    model = causal_lm(family, "sdpa", seed, num_layers=3)
     ids, mask = inputs(seed)
     kwargs = {"attention_mask": mask} if with_mask else {}
     backend = Captured(POLICY)
     with torch.no_grad():
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(ids, **kwargs).logits
         dma_compile.hf.register(POLICY, impl="reference")
-        eager_dma = causal_lm(family, "dma", seed)(ids, **kwargs).logits
+        eager_dma = causal_lm(family, "dma", seed, num_layers=3)(ids, **kwargs).logits
         sdpa = model(ids, **kwargs).logits
 
     ops = backend.ops()
@@ -146,14 +110,14 @@ def test_gqa_families_every_layer_rewritten_with_its_policy(seed, family, with_m
 
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_gpt2_every_layer_rewritten(seed, with_mask):
-    model = gpt2("sdpa", seed)
+    model = gpt2("sdpa", seed, initializer_range=0.1)
     ids, mask = inputs(seed, length=45)
     kwargs = {"attention_mask": mask} if with_mask else {}
     backend = Captured(POLICY)
     with torch.no_grad():
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(ids, **kwargs).logits
         dma_compile.hf.register(POLICY, impl="reference")
-        eager_dma = gpt2("dma", seed)(ids, **kwargs).logits
+        eager_dma = gpt2("dma", seed, initializer_range=0.1)(ids, **kwargs).logits
 
     ops = backend.ops()
     assert len(ops) == 2 and not backend.sdpa_nodes()
@@ -316,7 +280,7 @@ def test_aten_sdpa_in_exported_graph(seed):
 
 def test_policy_for_fewer_layers_is_an_error(seed):
     graphs = []
-    model = causal_lm("llama", "sdpa", seed)
+    model = causal_lm("llama", "sdpa", seed, num_layers=3)
     ids, _ = inputs(seed, padded=False)
     with torch.no_grad():
         torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(ids)
