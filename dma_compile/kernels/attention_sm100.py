@@ -45,7 +45,14 @@ from dma_compile.kernels.quantize import (
     quantize_values_fp8,
 )
 from dma_compile.kernels.quantize_mx import quantize_payloads
-from dma_compile.kernels.schedule import collapse_expanded_heads, intersect, key_range, precision_band
+from dma_compile.kernels.schedule import (
+    block_counts,
+    block_start,
+    collapse_expanded_heads,
+    key_range,
+    precision_band,
+    split_by_masking,
+)
 from dma_compile.policy import AttentionPolicy
 
 LOG2E = 1.4426950408889634
@@ -154,21 +161,11 @@ def _attend(
     """Online softmax and P·V over the key blocks of up to four [start, end) ranges of one class."""
     dv = tl.arange(0, DV)
     arange_n = tl.arange(0, BLOCK_N)
-    n0 = tl.cdiv(r0e - r0s, BLOCK_N)
-    n1 = tl.cdiv(r1e - r1s, BLOCK_N)
-    n2 = tl.cdiv(r2e - r2s, BLOCK_N)
-    n3 = tl.cdiv(r3e - r3s, BLOCK_N)
+    n0, n1, n2, n3 = block_counts(r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e, BLOCK_N)
     # Only Triton < 3.9 reads it (see _qk); a product with 0.0 is not folded away.
     zero = qk_scale * 0.0
     for i in range(0, n0 + n1 + n2 + n3):
-        j1 = i - n0
-        j2 = j1 - n1
-        j3 = j2 - n2
-        start = tl.where(j1 < 0, r0s + i * BLOCK_N, r1s + j1 * BLOCK_N)
-        start = tl.where(j2 < 0, start, r2s + j2 * BLOCK_N)
-        start = tl.where(j3 < 0, start, r3s + j3 * BLOCK_N)
-        start = tl.multiple_of(start, BLOCK_N)
-        offs_n = start + arange_n
+        offs_n = block_start(i, n0, n1, n2, r0s, r1s, r2s, r3s, BLOCK_N) + arange_n
         key_ok = offs_n < Lk
         s = _qk(q, qs, K, KS, sk_l, offs_n, key_ok, zero, D, KIND, FMT, MASKED, RUNTIME_ZERO_ACC, HW_CVT)
         s = s * qk_scale
@@ -254,48 +251,38 @@ def _dma_attention_sm100_kernel(
     k_tokens = (b64 * Hk + hk64) * Lk
 
     # Low format: [sink_end, band_s) and [band_e, kv_end).
-    lo0s, lo0e = intersect(sink_end, band_s, kv_start, kv_end)
-    lo1s, lo1e = intersect(band_e, kv_end, kv_start, kv_end)
+    a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1 = split_by_masking(
+        sink_end, band_s, band_e, kv_end, kv_start, kv_end, u_lo, u_hi
+    )
     q, qs = _load_q(QL + b64 * sql_b + h64 * sql_h, QLS + q_tokens * LO_SW, sql_l, offs_m, row_ok,
                     D, LO_KIND, LO_FMT)
     k_base = KL + b64 * skl_b + hk64 * skl_h
     ks_base = KLS + k_tokens * LO_SW
-    a0, a1 = intersect(lo0s, lo0e, u_lo, u_hi)
-    b0, b1 = intersect(lo1s, lo1e, u_lo, u_hi)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skl_l, v_base, sv_l, sv_d,
         mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
         BLOCK_N, D, DV, LO_KIND, LO_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
-    a0, a1 = intersect(lo0s, lo0e, kv_start, u_lo)
-    b0, b1 = intersect(lo0s, lo0e, u_hi, kv_end)
-    c0, c1 = intersect(lo1s, lo1e, kv_start, u_lo)
-    d0, d1 = intersect(lo1s, lo1e, u_hi, kv_end)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skl_l, v_base, sv_l, sv_d,
-        mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
+        mask_base, sm_q, sm_k, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
         BLOCK_N, D, DV, LO_KIND, LO_FMT, True, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
 
     if not ONE_CLASS:
         # High format: [0, sink_end) and [band_s, band_e).
-        hi0s, hi0e = intersect(0, sink_end, kv_start, kv_end)
-        hi1s, hi1e = intersect(band_s, band_e, kv_start, kv_end)
+        a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1 = split_by_masking(
+            0, sink_end, band_s, band_e, kv_start, kv_end, u_lo, u_hi
+        )
         q, qs = _load_q(QH + b64 * sqh_b + h64 * sqh_h, QHS + q_tokens * HI_SW, sqh_l, offs_m, row_ok,
                         D, HI_KIND, HI_FMT)
         k_base = KH + b64 * skh_b + hk64 * skh_h
         ks_base = KHS + k_tokens * HI_SW
-        a0, a1 = intersect(hi0s, hi0e, u_lo, u_hi)
-        b0, b1 = intersect(hi1s, hi1e, u_lo, u_hi)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skh_l, v_base, sv_l, sv_d,
             mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
             BLOCK_N, D, DV, HI_KIND, HI_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
-        a0, a1 = intersect(hi0s, hi0e, kv_start, u_lo)
-        b0, b1 = intersect(hi0s, hi0e, u_hi, kv_end)
-        c0, c1 = intersect(hi1s, hi1e, kv_start, u_lo)
-        d0, d1 = intersect(hi1s, hi1e, u_hi, kv_end)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skh_l, v_base, sv_l, sv_d,
-            mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
+            mask_base, sm_q, sm_k, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
             BLOCK_N, D, DV, HI_KIND, HI_FMT, True, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
 
     dv = tl.arange(0, DV)

@@ -43,7 +43,14 @@ from dma_compile.kernels.quantize import (
     quantize_tokens,
     quantize_values_fp8,
 )
-from dma_compile.kernels.schedule import collapse_expanded_heads, intersect, key_range, precision_band
+from dma_compile.kernels.schedule import (
+    block_counts,
+    block_start,
+    collapse_expanded_heads,
+    key_range,
+    precision_band,
+    split_by_masking,
+)
 from dma_compile.policy import AttentionPolicy
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -101,20 +108,10 @@ def _attend(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
     arange_n = tl.arange(0, BLOCK_N)
-    n0c = (r0e - r0s + BLOCK_N - 1) // BLOCK_N
-    n1c = (r1e - r1s + BLOCK_N - 1) // BLOCK_N
-    n2c = (r2e - r2s + BLOCK_N - 1) // BLOCK_N
-    n3c = (r3e - r3s + BLOCK_N - 1) // BLOCK_N
+    n0c, n1c, n2c, n3c = block_counts(r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e, BLOCK_N)
     row_ok = offs_m < Lq
     for i in range(0, n0c + n1c + n2c + n3c):
-        j1 = i - n0c
-        j2 = j1 - n1c
-        j3 = j2 - n2c
-        start = tl.where(j1 < 0, r0s + i * BLOCK_N, r1s + j1 * BLOCK_N)
-        start = tl.where(j2 < 0, start, r2s + j2 * BLOCK_N)
-        start = tl.where(j3 < 0, start, r3s + j3 * BLOCK_N)
-        start = tl.multiple_of(start, BLOCK_N)
-        offs_n = start + arange_n
+        offs_n = block_start(i, n0c, n1c, n2c, r0s, r1s, r2s, r3s, BLOCK_N) + arange_n
         if MASKED:
             key_ok = offs_n < Lk
             k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=key_ok[:, None], other=0.0)
@@ -210,50 +207,40 @@ def _dma_attention_kernel(
     mask_base = MASK + b64 * sm_b + h.to(tl.int64) * sm_h
 
     # Low format: [sink_end, band_s) and [band_e, kv_end).
-    lo0s, lo0e = intersect(sink_end, band_s, kv_start, kv_end)
-    lo1s, lo1e = intersect(band_e, kv_end, kv_start, kv_end)
+    a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1 = split_by_masking(
+        sink_end, band_s, band_e, kv_end, kv_start, kv_end, u_lo, u_hi
+    )
     q = tl.load(Q_LO + b64 * sql_b + h.to(tl.int64) * sql_h + offs_m[:, None] * sql_m + offs_d[None, :] * sql_d,
                 mask=row_ok[:, None], other=0.0)
     q_scale = _row_scales(QA_LO + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, LO_KIND, BLOCK_M)
     k_base = K_LO + b64 * skl_b + hk.to(tl.int64) * skl_h
     ka_base = KA_LO + (b64 * Hk + hk) * Lk
-    a0, a1 = intersect(lo0s, lo0e, u_lo, u_hi)
-    b0, b1 = intersect(lo1s, lo1e, u_lo, u_hi)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_scale, k_base, ka_base, skl_n, skl_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
         offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
         LO_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
-    a0, a1 = intersect(lo0s, lo0e, kv_start, u_lo)
-    b0, b1 = intersect(lo0s, lo0e, u_hi, kv_end)
-    c0, c1 = intersect(lo1s, lo1e, kv_start, u_lo)
-    d0, d1 = intersect(lo1s, lo1e, u_hi, kv_end)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_scale, k_base, ka_base, skl_n, skl_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
-        offs_m, Lq, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
+        offs_m, Lq, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
         LO_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
 
     if not ONE_CLASS:
         # High format: [0, sink_end) and [band_s, band_e).
-        hi0s, hi0e = intersect(0, sink_end, kv_start, kv_end)
-        hi1s, hi1e = intersect(band_s, band_e, kv_start, kv_end)
+        a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1 = split_by_masking(
+            0, sink_end, band_s, band_e, kv_start, kv_end, u_lo, u_hi
+        )
         q = tl.load(Q_HI + b64 * sqh_b + h.to(tl.int64) * sqh_h + offs_m[:, None] * sqh_m + offs_d[None, :] * sqh_d,
                     mask=row_ok[:, None], other=0.0)
         q_scale = _row_scales(QA_HI + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, HI_KIND, BLOCK_M)
         k_base = K_HI + b64 * skh_b + hk.to(tl.int64) * skh_h
         ka_base = KA_HI + (b64 * Hk + hk) * Lk
-        a0, a1 = intersect(hi0s, hi0e, u_lo, u_hi)
-        b0, b1 = intersect(hi1s, hi1e, u_lo, u_hi)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, q_scale, k_base, ka_base, skh_n, skh_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
             offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
             HI_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
-        a0, a1 = intersect(hi0s, hi0e, kv_start, u_lo)
-        b0, b1 = intersect(hi0s, hi0e, u_hi, kv_end)
-        c0, c1 = intersect(hi1s, hi1e, kv_start, u_lo)
-        d0, d1 = intersect(hi1s, hi1e, u_hi, kv_end)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, q_scale, k_base, ka_base, skh_n, skh_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
-            offs_m, Lq, Lk, a0, a1, b0, b1, c0, c1, d0, d1,
+            offs_m, Lq, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
             HI_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
 
     offs_dv = tl.arange(0, HEAD_DIM_V)

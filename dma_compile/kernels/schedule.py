@@ -91,3 +91,39 @@ def collapse_expanded_heads(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Ten
     if k.shape[1] > 1 and k.stride(1) == 0 and v.stride(1) == 0:
         return k[:, :1], v[:, :1]
     return k, v
+
+
+@triton.jit
+def split_by_masking(r0s, r0e, r1s, r1e, kv_start, kv_end, u_lo, u_hi):
+    """Split one precision class's two key ranges [r0s, r0e), [r1s, r1e),
+    clipped to [kv_start, kv_end), into the parts that need no masking
+    ([u_lo, u_hi)) and those that do. Returns two unmasked ranges, then four
+    masked ones, as twelve bounds."""
+    r0s, r0e = intersect(r0s, r0e, kv_start, kv_end)
+    r1s, r1e = intersect(r1s, r1e, kv_start, kv_end)
+    a0, a1 = intersect(r0s, r0e, u_lo, u_hi)
+    b0, b1 = intersect(r1s, r1e, u_lo, u_hi)
+    c0, c1 = intersect(r0s, r0e, kv_start, u_lo)
+    d0, d1 = intersect(r0s, r0e, u_hi, kv_end)
+    e0, e1 = intersect(r1s, r1e, kv_start, u_lo)
+    f0, f1 = intersect(r1s, r1e, u_hi, kv_end)
+    return a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1
+
+
+@triton.jit
+def block_counts(r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e, BLOCK_N: tl.constexpr):
+    """Key blocks in each of four [start, end) ranges, visited as one loop."""
+    return (tl.cdiv(r0e - r0s, BLOCK_N), tl.cdiv(r1e - r1s, BLOCK_N),
+            tl.cdiv(r2e - r2s, BLOCK_N), tl.cdiv(r3e - r3s, BLOCK_N))
+
+
+@triton.jit
+def block_start(i, n0, n1, n2, r0s, r1s, r2s, r3s, BLOCK_N: tl.constexpr):
+    """First key of the loop's i-th block: the ranges' blocks one after another."""
+    j1 = i - n0
+    j2 = j1 - n1
+    j3 = j2 - n2
+    start = tl.where(j1 < 0, r0s + i * BLOCK_N, r1s + j1 * BLOCK_N)
+    start = tl.where(j2 < 0, start, r2s + j2 * BLOCK_N)
+    start = tl.where(j3 < 0, start, r3s + j3 * BLOCK_N)
+    return tl.multiple_of(start, BLOCK_N)
