@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from dma_compile.policy import AttentionPolicy, ModelPolicy
-from dma_compile.reference import P_FP8_SCALE, fp8_value_scale, key_tile_is_high, quantize_operand
+from dma_compile.reference import P_FP8_SCALE, fp8_value_scale, key_mean, key_tile_is_high, quantize_operand
 
 TARGETS = ("sm90", "sm100")
 
@@ -245,7 +245,7 @@ class LayerScorer:
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
             kc = k.float()
             if policy.smooth_k:
-                kc = kc - k.float().mean(dim=-2, keepdim=True)
+                kc = kc - key_mean(k)
             qf = quantize_operand(q.float(), fmt, policy, q.dtype)
             kf = quantize_operand(kc, fmt, policy, k.dtype).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale

@@ -75,6 +75,14 @@ def fp8_value_scale(v: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(amax), amax, torch.ldexp(torch.ones_like(amax), exp.float()))
 
 
+def key_mean(k: torch.Tensor) -> torch.Tensor:
+    """K's mean over keys (dim -2, kept) for K smoothing: summed and divided in
+    float64, then rounded to float32. The float64 sum of 16-bit values is exact
+    or nearly so in any order, so the kernels' chunked sums round to the same
+    float32 mean and smoothed keys quantize identically."""
+    return k.double().mean(dim=-2, keepdim=True).float()
+
+
 def dma_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -94,7 +102,7 @@ def dma_attention_reference(
 
     kc = k.to(compute_dtype)
     if policy.smooth_k:
-        kc = kc - k.float().mean(dim=-2, keepdim=True).to(compute_dtype)
+        kc = kc - key_mean(k).to(compute_dtype)
     qc = q.to(compute_dtype)
 
     # Scores of each format used, then pick per tile. Quantization is per

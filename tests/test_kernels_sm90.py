@@ -203,6 +203,29 @@ def test_gpu_every_config(d, seed):
         run_case(case, "cuda", 1, seed, config=config)
 
 
+def check_unaligned_views(device, lk, seed):
+    """K and V as views a bulk-copy descriptor cannot address (rows of D + 1
+    elements, base one element in): the kernel copies them and still matches."""
+    case = Case("unaligned_views", small(HOPPER), lk, lk, causal=True)
+    q = torch.randn(1, 2, lk, 64, device=device).to(torch.bfloat16)
+    k = (torch.randn(1, 1, lk, 65, device=device) + 0.5).to(torch.bfloat16)[..., 1:]
+    v = torch.randn(1, 1, lk, 65, device=device).to(torch.bfloat16)[..., 1:]
+    assert k.data_ptr() % 16 != 0
+    out = dma_attention(q, k, v, is_causal=True, policy=case.policy, impl="sm90")
+    ref = dma_attention_reference(q.cpu(), k.cpu(), v.cpu(), None, True, None, case.policy)
+    assert_matches(out.cpu(), ref, v.cpu(), case, f"seed {seed}")
+
+
+@needs_interpreter
+def test_interpreter_unaligned_views(seed):
+    check_unaligned_views("cpu", 45, seed)
+
+
+@pytest.mark.gpu
+def test_gpu_unaligned_views(seed):
+    check_unaligned_views("cuda", 900, seed)
+
+
 @needs_interpreter
 def test_mask_classification_is_cached_and_sees_writes(seed):
     from dma_compile.kernels.masks import classify_mask

@@ -16,7 +16,9 @@ runs on bf16/fp16 tensor cores for "none" and exact MX (dequantized by the
 quantization pass) and on fp8 tensor cores for folded MX, with one power of
 two per query row and key column. Softmax is online in fp32 with exp2; P·V
 runs in V's dtype or in FP8 (e4m3(P * 256) against e4m3 V^T with a
-per-channel scale).
+per-channel scale). K and V reach the kernel as tensor descriptors (bulk
+tensor copies on Hopper, which free the registers pointer arithmetic would
+hold; keys past Lk read as zeros); Q, the scales and masks as pointers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported
 from dma_compile.kernels.masks import CELL, classify_mask
@@ -97,26 +100,25 @@ def _row_scales(QA, rows, row_ok, sm_scale, KIND: tl.constexpr, BLOCK_M: tl.cons
 @triton.jit
 def _attend(
     acc, l_i, m_i, q, q_scale,
-    K, KA, sk_n, sk_d, V, sv_n, sv_d, MASK, sm_m, sm_n,
+    K, KA, V, b, hk, MASK, sm_m, sm_n,
     offs_m, Lq, Lk,
     r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e,
     KIND: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     PV_FP8: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
-    """Online-softmax update over the key blocks of up to four [start, end) key ranges."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+    """Online-softmax update over the key blocks of up to four [start, end) key ranges.
+
+    K and V (or e4m3 V^T) come through tensor descriptors: bulk copies on
+    Hopper, with keys past Lk read as zeros."""
     arange_n = tl.arange(0, BLOCK_N)
     n0c, n1c, n2c, n3c = block_counts(r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e, BLOCK_N)
     row_ok = offs_m < Lq
     for i in range(0, n0c + n1c + n2c + n3c):
-        offs_n = block_start(i, n0c, n1c, n2c, r0s, r1s, r2s, r3s, BLOCK_N) + arange_n
-        if MASKED:
-            key_ok = offs_n < Lk
-            k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d, mask=key_ok[:, None], other=0.0)
-        else:
-            k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d)
+        start = block_start(i, n0c, n1c, n2c, r0s, r1s, r2s, r3s, BLOCK_N)
+        offs_n = start + arange_n
+        key_ok = offs_n < Lk
+        k = K.load([b, hk, start, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = _dot_nt(q, k, HW_CVT)
         if KIND == 1:
             if MASKED:
@@ -149,28 +151,20 @@ def _attend(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if PV_FP8:
-            if MASKED:
-                vt = tl.load(V + offs_dv[:, None] * sv_d + offs_n[None, :] * sv_n, mask=key_ok[None, :], other=0.0)
-            else:
-                vt = tl.load(V + offs_dv[:, None] * sv_d + offs_n[None, :] * sv_n)
+            vt = V.load([b, hk, 0, start]).reshape(HEAD_DIM_V, BLOCK_N)
             acc = tl.dot(_to_e4m3(p * 256.0, HW_CVT), tl.trans(vt), acc)
         else:
-            if MASKED:
-                v = tl.load(V + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d, mask=key_ok[:, None], other=0.0)
-            else:
-                v = tl.load(V + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d)
-            acc = _dot_acc(_to_dtype(p, V.dtype.element_ty, HW_CVT), v, acc, HW_CVT)
+            v = V.load([b, hk, start, 0]).reshape(BLOCK_N, HEAD_DIM_V)
+            acc = _dot_acc(_to_dtype(p, V.dtype, HW_CVT), v, acc, HW_CVT)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def _dma_attention_kernel(
-    Q_HI, QA_HI, sqh_b, sqh_h, sqh_m, sqh_d,
-    K_HI, KA_HI, skh_b, skh_h, skh_n, skh_d,
-    Q_LO, QA_LO, sql_b, sql_h, sql_m, sql_d,
-    K_LO, KA_LO, skl_b, skl_h, skl_n, skl_d,
-    V, sv_b, sv_h, sv_n, sv_d, VSCALE,
+    Q_HI, QA_HI, sqh_b, sqh_h, sqh_m, sqh_d, K_HI, KA_HI,
+    Q_LO, QA_LO, sql_b, sql_h, sql_m, sql_d, K_LO, KA_LO,
+    V, VSCALE,
     O, so_b, so_h, so_m, so_d,
     MASK, sm_b, sm_h, sm_m, sm_n,
     SUMM, ss_b, ss_h, ss_r,
@@ -203,7 +197,6 @@ def _dma_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    v_base = V + b64 * sv_b + hk.to(tl.int64) * sv_h
     mask_base = MASK + b64 * sm_b + h.to(tl.int64) * sm_h
 
     # Low format: [sink_end, band_s) and [band_e, kv_end).
@@ -213,14 +206,13 @@ def _dma_attention_kernel(
     q = tl.load(Q_LO + b64 * sql_b + h.to(tl.int64) * sql_h + offs_m[:, None] * sql_m + offs_d[None, :] * sql_d,
                 mask=row_ok[:, None], other=0.0)
     q_scale = _row_scales(QA_LO + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, LO_KIND, BLOCK_M)
-    k_base = K_LO + b64 * skl_b + hk.to(tl.int64) * skl_h
     ka_base = KA_LO + (b64 * Hk + hk) * Lk
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_scale, k_base, ka_base, skl_n, skl_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
+        acc, l_i, m_i, q, q_scale, K_LO, ka_base, V, b, hk, mask_base, sm_m, sm_n,
         offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
         LO_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_scale, k_base, ka_base, skl_n, skl_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
+        acc, l_i, m_i, q, q_scale, K_LO, ka_base, V, b, hk, mask_base, sm_m, sm_n,
         offs_m, Lq, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
         LO_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
 
@@ -232,14 +224,13 @@ def _dma_attention_kernel(
         q = tl.load(Q_HI + b64 * sqh_b + h.to(tl.int64) * sqh_h + offs_m[:, None] * sqh_m + offs_d[None, :] * sqh_d,
                     mask=row_ok[:, None], other=0.0)
         q_scale = _row_scales(QA_HI + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, HI_KIND, BLOCK_M)
-        k_base = K_HI + b64 * skh_b + hk.to(tl.int64) * skh_h
         ka_base = KA_HI + (b64 * Hk + hk) * Lk
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_scale, k_base, ka_base, skh_n, skh_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
+            acc, l_i, m_i, q, q_scale, K_HI, ka_base, V, b, hk, mask_base, sm_m, sm_n,
             offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
             HI_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_scale, k_base, ka_base, skh_n, skh_d, v_base, sv_n, sv_d, mask_base, sm_m, sm_n,
+            acc, l_i, m_i, q, q_scale, K_HI, ka_base, V, b, hk, mask_base, sm_m, sm_n,
             offs_m, Lq, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
             HI_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
 
@@ -254,14 +245,26 @@ def _dma_attention_kernel(
     tl.store(o_ptr, _to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
 
 
+def _set_block_shapes(args: dict) -> None:
+    """Point the K and V descriptors at one key block of the launch's BLOCK_N."""
+    bn, d, dv = args["BLOCK_N"], args["HEAD_DIM"], args["HEAD_DIM_V"]
+    args["K_HI"].block_shape = [1, 1, bn, d]
+    args["K_LO"].block_shape = [1, 1, bn, d]
+    args["V"].block_shape = [1, 1, dv, bn] if args["PV_FP8"] else [1, 1, bn, dv]
+
+
 def _config(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
+                         pre_hook=_set_block_shapes)
 
 
-# Per head_dim (the larger of D and Dv), best first; (32, 32) serves 32-token tiles.
+# Per head_dim (the larger of D and Dv), best first, from the H200 sweeps in
+# BENCHMARKS.md: at D 128 one warpgroup over 128 query rows with two stages
+# won for every policy at 16k tokens; at D 64 the winner varies by policy.
+# (32, 32) serves 32-token tiles.
 _CONFIGS = {
-    64: [_config(128, 128, 8, 3), _config(128, 64, 4, 3)],
-    128: [_config(128, 64, 8, 3), _config(128, 128, 8, 3)],
+    64: [_config(128, 128, 4, 3), _config(128, 64, 4, 3), _config(64, 64, 4, 3), _config(128, 128, 8, 3)],
+    128: [_config(128, 64, 4, 2), _config(128, 64, 4, 3), _config(128, 128, 8, 3), _config(64, 64, 4, 3)],
     256: [_config(64, 64, 8, 2), _config(64, 32, 4, 2)],
 }
 _SMALL_TILE = [_config(32, 32, 4, 3)]
@@ -330,14 +333,14 @@ def _class_operands(q, k, policy: AttentionPolicy, key_mean) -> dict[str, tuple[
 @dataclass
 class QuantizedInputs:
     """What the quantization pass produces for one call: the (Q, K) operands of
-    the high and low formats, V (or e4m3 V^T) with its per-channel scales."""
+    the high and low formats, and V, or e4m3 V^T (B, H, Dv, L_pad) with its
+    per-channel scales when P·V runs in FP8."""
 
     q_hi: Operand
     k_hi: Operand
     q_lo: Operand
     k_lo: Operand
     v: torch.Tensor
-    v_strides: tuple[int, int, int, int]  # batch, head, key, channel
     v_scales: torch.Tensor | None
     out_dtype: torch.dtype
 
@@ -351,10 +354,35 @@ def quantize_inputs(q, k, v, policy: AttentionPolicy) -> QuantizedInputs:
     ops = _class_operands(q, k, policy, stats.key_mean)
     (q_hi, k_hi), (q_lo, k_lo) = ops[policy.hi], ops[policy.lo]
     if policy.pv == "fp8":
-        vt = quantize_values_fp8(v, stats.value_exponents)
-        return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, vt, (vt.stride(0), vt.stride(1), vt.stride(3), vt.stride(2)),
+        return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, quantize_values_fp8(v, stats.value_exponents),
                                stats.value_scales, q.dtype)
-    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v, tuple(v.stride()), None, q.dtype)
+    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v, None, q.dtype)
+
+
+def _copyable(x: torch.Tensor) -> torch.Tensor:
+    """x itself when a bulk-copy descriptor can address it (16-byte aligned
+    base and strides, unit last stride), else a contiguous copy."""
+    size = x.element_size()
+    strides_ok = all(s > 0 and (s * size) % 16 == 0 for n, s in zip(x.shape[:-1], x.stride()[:-1]) if n > 1)
+    if x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and strides_ok:
+        return x
+    return x.contiguous()
+
+
+def _descriptor(x: torch.Tensor, logical_len: int | None = None) -> TensorDescriptor:
+    """A 4-d descriptor over x (B, H, rows, cols); logical_len shortens the last
+    dimension (V^T's padding) so that reads past it return zeros. The block
+    shape is set per launch configuration (`_set_block_shapes`)."""
+    x = _copyable(x)
+    shape = list(x.shape)
+    if logical_len is not None:
+        shape[-1] = logical_len
+    # A unit dimension's stride is never used, but must still be a valid one.
+    strides = list(x.stride())
+    for i in (2, 1, 0):
+        if x.shape[i] == 1:
+            strides[i] = strides[i + 1] * x.shape[i + 1]
+    return TensorDescriptor(x, shape, strides, [1, 1, 16, 16])
 
 
 def attention_from_quantized(
@@ -373,34 +401,42 @@ def attention_from_quantized(
         mask_kind = MASK_BOOL if info.is_bool else MASK_ADD
         mask_args = (info.values, *info.values.stride(), info.summary, *info.summary_strides)
 
-    def operand_args(op: Operand):
-        x = op.values
-        return (x, op.exponents if op.exponents is not None else x, *x.stride())
+    def operand_args(q_op: Operand, k_op: Operand):
+        x = q_op.values
+        return (x, q_op.exponents if q_op.exponents is not None else x, *x.stride(), _descriptor(k_op.values),
+                k_op.exponents if k_op.exponents is not None else x)
 
-    args = (
-        *operand_args(qi.q_hi), *operand_args(qi.k_hi), *operand_args(qi.q_lo), *operand_args(qi.k_lo),
-        qi.v, *qi.v_strides, qi.v_scales if qi.v_scales is not None else qi.v,
-        out, *out.stride(), *mask_args,
-        scale * LOG2E, hq, hk, lq, lk, policy.sink_tiles, policy.diag_tiles,
-        triton.next_power_of_2(lq), triton.next_power_of_2(lk),
+    pv_fp8 = policy.pv == "fp8"
+    args = dict(zip(
+        ("Q_HI", "QA_HI", "sqh_b", "sqh_h", "sqh_m", "sqh_d", "K_HI", "KA_HI",
+         "Q_LO", "QA_LO", "sql_b", "sql_h", "sql_m", "sql_d", "K_LO", "KA_LO"),
+        (*operand_args(qi.q_hi, qi.k_hi), *operand_args(qi.q_lo, qi.k_lo)),
+    ))
+    args.update(
+        V=_descriptor(qi.v, lk if pv_fp8 else None), VSCALE=qi.v_scales if pv_fp8 else qi.v, O=out,
+        so_b=out.stride(0), so_h=out.stride(1), so_m=out.stride(2), so_d=out.stride(3),
     )
-    meta = dict(
+    args.update(zip(("MASK", "sm_b", "sm_h", "sm_m", "sm_n", "SUMM", "ss_b", "ss_h", "ss_r"), mask_args))
+    args.update(
+        sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk, SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
+        LQ_BUCKET=triton.next_power_of_2(lq), LK_BUCKET=triton.next_power_of_2(lk),
         HEAD_DIM=d, HEAD_DIM_V=dv, TILE=policy.tile,
         HI_KIND=_kind(policy.hi, policy), LO_KIND=_kind(policy.lo, policy), ONE_CLASS=policy.hi == policy.lo,
-        PV_FP8=policy.pv == "fp8", IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, CELL=CELL, HW_CVT=HW_CVT,
+        PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, CELL=CELL, HW_CVT=HW_CVT,
     )
     if INTERPRET:
-        grid = (triton.cdiv(lq, _INTERPRET_META["BLOCK_M"]), b * hq)
-        _dma_attention_kernel[grid](*args, **meta, **_INTERPRET_META)
+        args.update(_INTERPRET_META)
+        _set_block_shapes(args)
+        _dma_attention_kernel[(triton.cdiv(lq, args["BLOCK_M"]), b * hq)](**args)
         return out
     grid = lambda m: (triton.cdiv(lq, m["BLOCK_M"]), b * hq)  # noqa: E731
     if AUTOTUNE and config is None:
-        _dma_attention_tuned[grid](*args, **meta)
+        _dma_attention_tuned[grid](**args)
     else:
         config = config or _configs_for(max(d, dv), policy.tile)[0]
-        _dma_attention_kernel[grid](
-            *args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
-        )
+        args.update(config.kwargs)
+        _set_block_shapes(args)
+        _dma_attention_kernel[grid](**args, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

@@ -317,7 +317,7 @@ def _kv_stats_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """Per chunk of keys: the fp32 sum of K and the amax of |V| (NaN if any).
+    """Per chunk of keys: the float64 sum of K and the amax of |V| (NaN if any).
 
     The loop only loads and accumulates element-wise in registers, so loads
     of several iterations and programs overlap; the one cross-thread
@@ -330,7 +330,7 @@ def _kv_stats_kernel(
     h = pid_bh % H
     dk = tl.arange(0, D)
     dv = tl.arange(0, DV)
-    ksum = tl.zeros([BLOCK_L, D], dtype=tl.float32)
+    ksum = tl.zeros([BLOCK_L, D], dtype=tl.float64)
     vmax_bits = tl.zeros([BLOCK_L, DV], dtype=tl.int32)
     k_src = K + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
     v_src = V + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
@@ -340,7 +340,7 @@ def _kv_stats_kernel(
         ok = (rows < L)[:, None]
         if NEED_K:
             kt = tl.load(k_src + rows[:, None].to(tl.int64) * sk_l + dk[None, :] * sk_d, mask=ok, other=0.0)
-            ksum += _to_f32(kt, HW_CVT)
+            ksum += _to_f32(kt, HW_CVT).to(tl.float64)
         if NEED_V:
             vt = tl.load(v_src + rows[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d, mask=ok, other=0.0)
             vmax_bits = tl.maximum(vmax_bits, _to_f32(vt, HW_CVT).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
@@ -357,11 +357,13 @@ def _kv_stats_finalize_kernel(
     NCH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr,
 ):
-    """K's mean over keys; V's per-channel e4m3 scale 2^e, the smallest with amax / 2^e <= 448.
+    """K's mean over keys (reference.key_mean: float64 sum and division, then
+    float32); V's per-channel e4m3 scale 2^e, the smallest with amax / 2^e <= 448.
 
-    N_KEYS is the key count as a float (exact below 2^24): the mean divides
-    by it with correct rounding (div_rn), as torch.mean's division does, where
-    `/` may compile to an approximate division.
+    A float64 sum of 16-bit inputs is exact or nearly so in any order, so the
+    mean rounds to the same float32 as the reference's; a float32 sum would
+    differ by a few ulps, and smoothed keys near an MX rounding boundary would
+    then round the other way.
     """
     pid_bh = tl.program_id(0)
     c = tl.arange(0, NCH)[:, None]
@@ -369,7 +371,9 @@ def _kv_stats_finalize_kernel(
     if NEED_K:
         dk = tl.arange(0, D)
         parts = tl.load(KSUM + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0.0)
-        tl.store(MEAN + pid_bh * D + dk, tl.math.div_rn(tl.sum(parts, axis=0), N_KEYS))
+        # A float64 `/` compiles to a correctly rounded division (float32's may not).
+        mean = tl.sum(parts, axis=0) / N_KEYS
+        tl.store(MEAN + pid_bh * D + dk, mean.to(tl.float32))
     if NEED_V:
         dv = tl.arange(0, DV)
         parts = tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0)
@@ -500,8 +504,7 @@ class KVStatistics:
 def kv_statistics(k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale: bool) -> KVStatistics:
     """One pass over K and V (chunked over keys, then a small finalize kernel).
 
-    The mean's float32 sum runs in another order than torch's (a few ulps
-    apart); its division is correctly rounded.
+    The key mean equals reference.key_mean's (see _kv_stats_finalize_kernel).
     """
     b, h, length, d = k.shape
     dv = v.shape[-1]
@@ -515,7 +518,7 @@ def kv_statistics(k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale:
     chunk = max(block_l, triton.cdiv(triton.cdiv(length, n_chunks), block_l) * block_l)
     n_chunks = triton.cdiv(length, chunk)
     dev = k.device
-    ksum = torch.empty(b * h, n_chunks, d, dtype=torch.float32, device=dev) if key_mean else None
+    ksum = torch.empty(b * h, n_chunks, d, dtype=torch.float64, device=dev) if key_mean else None
     vmax = torch.empty(b * h, n_chunks, dv, dtype=torch.float32, device=dev) if value_scale else None
     _kv_stats_kernel[(n_chunks, b * h)](
         k, *k.stride(), v, *v.stride(),
@@ -529,7 +532,7 @@ def kv_statistics(k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale:
     _kv_stats_finalize_kernel[(b * h,)](
         ksum if key_mean else vmax, vmax if value_scale else ksum,
         some, vexp if value_scale else some, vscale if value_scale else some,
-        n_chunks, float(length),
+        n_chunks, length,
         NCH=triton.next_power_of_2(n_chunks), D=d, DV=dv, NEED_K=key_mean, NEED_V=value_scale, num_warps=4,
     )
     return KVStatistics(mean, vexp, vscale)
