@@ -23,6 +23,13 @@ cheapest (ties: the lowest error) and a tighter budget never picks a cheaper
 policy. Each window's score matrices are computed once per format and
 combined per candidate; `LayerScorer` is tested to give exactly the
 reference's output.
+
+That is the per-layer allocation (`allocation="layer"`). The model-level
+ones ("model", "weighted") score every candidate in full and spend one budget
+on the root mean square of the layers' errors (`allocate_model`), so layers
+that quantize well take more low-precision tiles than sensitive ones;
+"weighted" first weights each layer's squared error by its measured effect
+on the logits (`layer_sensitivity`).
 """
 
 from __future__ import annotations
@@ -70,6 +77,10 @@ DEFAULT_COST_LEN = 2048
 # (windows, tokens per window): the reference on a CPU is slow, a GPU is not.
 CPU_WINDOWS = (2, 512)
 GPU_WINDOWS = (4, 2048)
+# "layer": each layer within the budget on its own; "model": the root mean
+# square of the layers' errors within it (`allocate_model`); "weighted": the
+# same with each layer's squared error weighted by its `layer_sensitivity`.
+ALLOCATIONS = ("layer", "model", "weighted")
 ERROR_UNIT = "relative L2 error of the layer's attention output vs exact attention"
 
 
@@ -386,6 +397,159 @@ def choose_policy(
     return LayerChoice(fallback, cost, err["rel_l2"], err["worst_row"], False, evaluated)
 
 
+# ---------------------------------------------------------------- model-level allocation
+
+
+def score_candidates(
+    scorer: LayerScorer, target: str, cost_len: int = DEFAULT_COST_LEN, rates: dict | None = None
+) -> list[dict]:
+    """Every candidate and the exact policy, each scored in full, cheapest
+    first. The model-level allocation trades error between layers, so unlike
+    `choose_policy` it needs every layer's whole (cost, error) table."""
+    policies = [*candidate_policies(target), exact_policy(target)]
+    scored = [{"policy": p.to_string(), "cost": policy_cost(p, target, cost_len, rates), **scorer.errors(p)}
+              for p in policies]
+    return sorted(scored, key=lambda e: (e["cost"], e["rel_l2"]))
+
+
+def pareto_front(evaluated: Sequence[dict]) -> list[dict]:
+    """The entries no other entry beats on both cost and error, cheapest
+    first (so errors strictly decrease along it): a layer's only sensible
+    choices."""
+    front: list[dict] = []
+    for entry in sorted(evaluated, key=lambda e: (e["cost"], e["rel_l2"])):
+        if not front or entry["rel_l2"] < front[-1]["rel_l2"]:
+            front.append(entry)
+    return front
+
+
+def model_error(chosen: Sequence[dict], weights: Sequence[float] | None = None) -> float:
+    """The root mean square of the layers' relative L2 errors, each squared
+    error times its layer's weight (`layer_sensitivity`; default 1): the
+    model-level error measure. Squares, because independent perturbations of
+    the residual stream add in power and the KL divergence of the logits is
+    quadratic in a small perturbation, so one layer at error 2e hurts about as
+    much as four at e. With weights of mean 1, a per-layer budget b keeps it
+    <= b, so the per-layer choice is always feasible for the model-level
+    allocation at the same budget."""
+    return math.sqrt(_penalty(chosen, weights) / len(chosen))
+
+
+def _penalty(chosen: Sequence[dict], weights: Sequence[float] | None) -> float:
+    weights = weights or [1.0] * len(chosen)
+    return sum(w * e["rel_l2"] ** 2 for w, e in zip(weights, chosen))
+
+
+def _meets(chosen: Sequence[dict], budget: float, weights: Sequence[float] | None) -> bool:
+    """model_error(chosen, weights) <= budget, in the squared form `_fill_slack` counts slack in."""
+    return _penalty(chosen, weights) <= budget**2 * len(chosen)
+
+
+def _cheapest_within(front: Sequence[dict], budget: float) -> dict:
+    """The per-layer choice on one front; its most accurate entry if none is within `budget`."""
+    return next((e for e in front if e["rel_l2"] <= budget), front[-1])
+
+
+def _lagrangian_choice(fronts: Sequence[Sequence[dict]], weights: Sequence[float], price: float) -> list[dict]:
+    """Per layer, the entry minimising cost + price * weight * squared error (ties: the lower error)."""
+    return [
+        min(front, key=lambda e: (e["cost"] + price * w * e["rel_l2"] ** 2, e["rel_l2"]))
+        for front, w in zip(fronts, weights)
+    ]
+
+
+def _fill_slack(
+    fronts: Sequence[Sequence[dict]], chosen: list[dict], budget: float, weights: Sequence[float]
+) -> list[dict]:
+    """Spend the error the Lagrangian choice leaves unused: repeatedly move
+    one layer to a cheaper entry of its front, taking the largest cost saving
+    per unit of weighted squared error added among the moves that keep
+    `model_error <= budget`. (Equal slopes reach only the convex hull of the
+    fronts; the best discrete choice may sit between its points.)"""
+    chosen = list(chosen)
+    allowed = budget**2 * len(chosen)
+    while True:
+        slack = allowed - _penalty(chosen, weights)
+        moves = []
+        for layer, (front, now, w) in enumerate(zip(fronts, chosen, weights)):
+            for e in front:
+                added = w * (e["rel_l2"] ** 2 - now["rel_l2"] ** 2)
+                if e["cost"] < now["cost"] and added <= slack:
+                    moves.append(((now["cost"] - e["cost"]) / max(added, 1e-30), layer, e))
+        if not moves:
+            return chosen
+        _, layer, entry = max(moves, key=lambda m: m[0])
+        chosen[layer] = entry
+
+
+def allocate_model(
+    fronts: Sequence[Sequence[dict]], budget: float, weights: Sequence[float] | None = None
+) -> tuple[list[dict], float]:
+    """One entry per layer (from each layer's `pareto_front`) minimising the
+    total cost subject to `model_error(chosen, weights) <= budget`; returns
+    (chosen, price).
+
+    Equal-slope (Lagrangian) selection: each layer takes the entry minimising
+    cost + price * weight * error^2, and the price is bisected (log scale) to
+    the lowest one meeting the budget; the unused error is then spent by
+    `_fill_slack`. The per-layer choice at the same budget, when feasible, is
+    filled the same way and kept if cheaper, so this is never dearer than
+    it. If even the most accurate entries miss the budget they are returned
+    (price inf).
+    """
+    weights = list(weights) if weights is not None else [1.0] * len(fronts)
+    if len(weights) != len(fronts) or not all(w >= 0 and math.isfinite(w) for w in weights):
+        raise ValueError(f"weights: expected {len(fronts)} finite non-negative numbers, got {weights!r}")
+    most_accurate = [front[-1] for front in fronts]
+    if not _meets(most_accurate, budget, weights):
+        return most_accurate, math.inf
+    lo, hi = -12.0, 12.0  # log10 of the price: costs are O(1), squared errors O(1e-6) and up
+    while hi - lo > 1e-6:
+        mid = (lo + hi) / 2
+        if _meets(_lagrangian_choice(fronts, weights, 10**mid), budget, weights):
+            hi = mid
+        else:
+            lo = mid
+    price = 10**hi
+    start = _lagrangian_choice(fronts, weights, price)
+    chosen = _fill_slack(fronts, start if _meets(start, budget, weights) else most_accurate, budget, weights)
+    per_layer = [_cheapest_within(front, budget) for front in fronts]
+    if _meets(per_layer, budget, weights):
+        per_layer = _fill_slack(fronts, per_layer, budget, weights)
+        if sum(e["cost"] for e in per_layer) < sum(e["cost"] for e in chosen):
+            chosen = per_layer
+    return chosen, price
+
+
+def layer_sensitivity(model, window: torch.Tensor, probe: AttentionPolicy, probe_errors: Sequence[float]) -> list[dict]:
+    """Per layer, {"kl", "weight"}: the mean KL divergence of the next-token
+    distribution on `window` from SDPA's when only that layer runs `probe`,
+    and that KL per unit of the layer's squared probe error (`probe_errors`,
+    its relative L2 error), scaled to mean 1 over the layers.
+
+    The relative L2 error of a layer's output says how far it moves, not how
+    much the model minds: on SmolLM2-135M the same error costs the first
+    layers about 30 times as much KL as the last ones. One forward pass per
+    layer buys that correction for the "weighted" allocation.
+    """
+    from dma_compile.compare import running_policy
+
+    ids = window[None].to(next(model.parameters()).device)
+    # min_q_len above the window's length: every other layer runs stock SDPA.
+    sdpa_elsewhere = probe.replace(min_q_len=ids.shape[1] + 1)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), dim=-1)
+        kls = []
+        for layer, error in enumerate(probe_errors):
+            policy = ModelPolicy(sdpa_elsewhere, layers={layer: probe}, num_layers=len(probe_errors))
+            with running_policy(model, policy):
+                logp = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), dim=-1)
+            kls.append(float((reference.exp() * (reference - logp)).sum(dim=-1).mean()))
+    per_error = [kl / max(error, 1e-12) ** 2 for kl, error in zip(kls, probe_errors)]
+    mean = sum(per_error) / len(per_error)
+    return [{"kl": kl, "weight": w / mean if mean > 0 else 1.0} for kl, w in zip(kls, per_error)]
+
+
 # ---------------------------------------------------------------- text and windows
 
 
@@ -519,12 +683,19 @@ def calibrate(
     window_len: int | None = None,
     cost_len: int = DEFAULT_COST_LEN,
     measure: bool = False,
+    allocation: str = "layer",
     progress: bool = True,
 ) -> ModelPolicy:
     """Per-layer DMA policies for `model` (a transformers causal LM or its
-    directory) within `budget` (the relative L2 error allowed for each layer's
-    attention output, e.g. 0.02), the cheapest for `target` ("sm90", "sm100",
-    or "auto" for the present GPU). `texts`: see `calibration_windows`.
+    directory), the cheapest for `target` ("sm90", "sm100", or "auto" for the
+    present GPU) within `budget`: with `allocation="layer"` the relative L2
+    error allowed for each layer's attention output (e.g. 0.02); with
+    "model" the allowed root mean square of those errors over the layers, so
+    layers that quantize well take more low-precision tiles and sensitive
+    ones fewer (`allocate_model`; slower: every candidate is scored in
+    full); with "weighted" each squared error is first weighted by its
+    layer's measured `layer_sensitivity` (one more forward pass per layer).
+    `texts`: see `calibration_windows`.
     `windows` x `window_len` default to 2 x 512 on CPU and 4 x 2048 on a GPU.
     The statistics behind every choice are in the result's `stats`.
     """
@@ -534,6 +705,8 @@ def calibrate(
 
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0 or math.isinf(budget):
         raise ValueError(f"budget must be a positive number (relative L2 error, e.g. 0.02), got {budget!r}")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {list(ALLOCATIONS)}, got {allocation!r}")
     target = resolve_target(target)
     model, loaded_tokenizer = load_model(model)
     tokenizer = tokenizer or loaded_tokenizer
@@ -559,24 +732,51 @@ def calibrate(
     if missing:
         raise ValueError(f"model: attention layers {missing} were not called during the forward pass")
 
-    layers: dict[int, AttentionPolicy] = {}
-    layer_stats: dict[str, dict] = {}
+    evaluated: list[list[dict]] = []
+    presets: list[dict] = []
+    per_layer: list[LayerChoice] = []
     for layer in tqdm(range(num_layers), desc="calibrate", unit="layer", disable=not progress):
         scorer = LayerScorer(captured.pop(layer))
-        choice = choose_policy(scorer, budget, target, cost_len, rates)
-        reference_points = {name: scorer.errors(p) for name, p in named_reference_policies().items()}
+        if allocation == "layer":
+            per_layer.append(choose_policy(scorer, budget, target, cost_len, rates))
+            evaluated.append(per_layer[-1].evaluated)
+        else:
+            evaluated.append(score_candidates(scorer, target, cost_len, rates))
+        presets.append({name: scorer.errors(p) for name, p in named_reference_policies().items()})
         scorer.release()
-        layers[layer] = choice.policy
-        layer_stats[str(layer)] = {
-            "policy": choice.policy.to_string(),
-            "cost": choice.cost,
-            "mxfp4_fraction": format_fraction(choice.policy, cost_len),
-            "rel_l2": choice.rel_l2,
-            "worst_row": choice.worst_row,
-            "within_budget": choice.within_budget,
-            "presets": reference_points,
-            "evaluated": choice.evaluated,
+
+    model_stats: dict = {}
+    sensitivity: list[dict] = [{} for _ in range(num_layers)]
+    if allocation == "layer":
+        picks = [{"policy": c.policy.to_string(), "cost": c.cost, "rel_l2": c.rel_l2, "worst_row": c.worst_row}
+                 for c in per_layer]
+        within = [c.within_budget for c in per_layer]
+    else:
+        weights = None
+        if allocation == "weighted":
+            probe = named_reference_policies()["paper"]
+            sensitivity = layer_sensitivity(model, ids[0], probe, [p["paper"]["rel_l2"] for p in presets])
+            weights = [s["weight"] for s in sensitivity]
+            model_stats["sensitivity_probe"] = probe.to_string()
+        picks, price = allocate_model([pareto_front(e) for e in evaluated], budget, weights)
+        # Per layer "within budget" means the model-level budget is met.
+        within = [_meets(picks, budget, weights)] * num_layers
+        model_stats.update(price=price, model_error=model_error(picks, weights))
+    layers = {i: AttentionPolicy.from_string(pick["policy"]) for i, pick in enumerate(picks)}
+    layer_stats = {
+        str(i): {
+            "policy": pick["policy"],
+            "cost": pick["cost"],
+            "mxfp4_fraction": format_fraction(layers[i], cost_len),
+            "rel_l2": pick["rel_l2"],
+            "worst_row": pick["worst_row"],
+            "within_budget": within[i],
+            "presets": presets[i],
+            **({"sensitivity": sensitivity[i]} if sensitivity[i] else {}),
+            "evaluated": evaluated[i],
         }
+        for i, pick in enumerate(picks)
+    }
 
     chosen = ModelPolicy(default=base_policy(target), layers=layers, num_layers=num_layers)
     chosen.stats = {
@@ -592,6 +792,8 @@ def calibrate(
         "model": str(getattr(model, "name_or_path", "") or ""),
         "cost": model_cost(chosen, num_layers, target, cost_len),
         "mxfp4_fraction": model_format_fraction(chosen, num_layers, cost_len),
+        "allocation": allocation,
+        **model_stats,
         "layers": layer_stats,
     }
     return chosen
@@ -639,4 +841,8 @@ def policy_table(policy: ModelPolicy) -> str:
             f"model cost {stats['cost']:.3f} ({stats['cost_unit']}), "
             f"MXFP4 tiles {100 * stats['mxfp4_fraction']:.1f}%"
         )
+        if stats.get("allocation") in ("model", "weighted"):
+            table += (f"; {stats['allocation']} allocation: root mean square of the layers' "
+                      f"{'sensitivity-weighted ' if stats['allocation'] == 'weighted' else ''}errors "
+                      f"{stats['model_error']:.4f}")
     return table

@@ -1,7 +1,7 @@
 """The `dma-compile` command: assets, calibrate, compare, quickstart.
 
     dma-compile assets                          fetch + prepare the default model and text
-    dma-compile calibrate --model DIR --text FILE --budget 0.03 --out policy.json
+    dma-compile calibrate --model DIR --text FILE --budget 0.03 [--allocation model|weighted] --out policy.json
     dma-compile compare --model DIR --text FILE [--policy policy.json] [--json out.json]
     dma-compile quickstart [--out dma-out]     assets -> calibrate -> compile -> compare
 
@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=_positive_int, help="calibration windows (default 2 on CPU, 4 on a GPU)")
     p.add_argument("--window-len", type=_positive_int, help="tokens per window (default 512 on CPU, 2048 on a GPU)")
     p.add_argument("--measure", action="store_true", help="measure the per-format rates through the kernels (GPU)")
+    p.add_argument("--allocation", default="layer", choices=["layer", "model", "weighted"],
+                   help="layer: every layer's error within the budget; model: the root mean square of the layers' "
+                        "errors within it, spent where it buys the most (slower: all candidates scored in full); "
+                        "weighted: the same with each layer's error weighted by its measured effect on the logits")
 
     p = sub.add_parser("compare", help="tables of per-layer error, perplexity, agreement and speed")
     p.add_argument("--model", required=True, help="transformers model directory")
@@ -164,11 +168,11 @@ def cmd_assets(args) -> int:
 
 
 def run_calibrate(model, tokenizer, text: str, budget: float, target: str, out: str, windows=None, window_len=None,
-                  measure: bool = False):
+                  measure: bool = False, allocation: str = "layer"):
     from dma_compile.calibrate import calibrate, policy_table
 
     policy = calibrate(model, text, budget, target, tokenizer=tokenizer, windows=windows, window_len=window_len,
-                       measure=measure)
+                       measure=measure, allocation=allocation)
     policy.stats["text"] = "held-out split: calibration on the first 90% of the text's tokens"
     policy.save(out)
     print(policy_table(policy))
@@ -184,7 +188,7 @@ def cmd_calibrate(args) -> int:
         raise BadInput(f"--out: directory {out_dir!r} does not exist")
     model, tokenizer = _load_model(args.model)
     run_calibrate(model, tokenizer, text, args.budget, args.target, args.out, args.windows, args.window_len,
-                  args.measure)
+                  args.measure, args.allocation)
     return 0
 
 

@@ -13,12 +13,15 @@ from dma_compile.calibrate import (
     DEFAULT_COST_LEN,
     HELDOUT_FRACTION,
     LayerScorer,
+    allocate_model,
     calibrate,
     calibration_windows,
     candidate_policies,
     choose_policy,
     exact_policy,
     format_fraction,
+    model_error,
+    pareto_front,
     policy_cost,
     policy_table,
     resolve_target,
@@ -215,6 +218,98 @@ def test_tighter_budget_never_picks_a_cheaper_policy(model_and_text):
         costs = [choose_policy(scorer, b, "sm90").cost for b in (1.0, 0.05, 0.02, 0.01, 0.005, 0.001, 1e-6)]
         assert costs == sorted(costs), f"layer {layer}: {costs}"
         assert costs[-1] > costs[0]
+
+
+def _random_fronts(rng: random.Random, layers: int, options: int) -> list[list[dict]]:
+    """Random per-layer tables: cheaper options carry larger, layer-dependent errors."""
+    fronts = []
+    for _ in range(layers):
+        scale = rng.uniform(0.2, 5.0)
+        entries = [{"policy": f"p{i}", "cost": rng.uniform(0.3, 1.0), "rel_l2": 0.0} for i in range(options)]
+        for e in entries:
+            e["rel_l2"] = scale * (1.05 - e["cost"]) ** rng.uniform(1, 3) * rng.uniform(0.5, 1.5) / 10
+        fronts.append(pareto_front(entries))
+    return fronts
+
+
+def _per_layer_pick(front: list[dict], budget: float) -> dict:
+    return next(e for e in front if e["rel_l2"] <= budget)
+
+
+def test_pareto_front_keeps_only_undominated_entries():
+    points = [(1, 0.0), (0.5, 0.1), (0.5, 0.05), (0.7, 0.2), (0.3, 0.3), (0.8, 0.01)]
+    entries = [{"cost": c, "rel_l2": e} for c, e in points]
+    front = pareto_front(entries)
+    assert [(e["cost"], e["rel_l2"]) for e in front] == [(0.3, 0.3), (0.5, 0.05), (0.8, 0.01), (1, 0.0)]
+
+
+def test_model_allocation_within_budget_and_never_dearer_than_per_layer(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        fronts = _random_fronts(rng, rng.randint(1, 12), rng.randint(1, 10))
+        budget = rng.uniform(0.0, 0.2)
+        weights = None
+        if rng.random() < 0.5:  # sensitivity weights, as layer_sensitivity scales them: mean 1
+            raw = [rng.uniform(0.05, 5.0) for _ in fronts]
+            weights = [w * len(raw) / sum(raw) for w in raw]
+        chosen, price = allocate_model(fronts, budget, weights)
+        assert all(c in front for c, front in zip(chosen, fronts))
+        if price == math.inf:
+            assert chosen == [front[-1] for front in fronts] and model_error(chosen, weights) > budget
+            continue
+        assert model_error(chosen, weights) <= budget * (1 + 1e-12)
+        if all(front[-1]["rel_l2"] <= budget for front in fronts):
+            per_layer = [_per_layer_pick(front, budget) for front in fronts]
+            assert sum(c["cost"] for c in chosen) <= sum(p["cost"] for p in per_layer) + 1e-12
+
+
+def test_model_allocation_spends_the_budget_where_it_is_cheap():
+    # Layer 0 loses little by going cheap, layer 1 a lot: the model-level
+    # allocation takes layer 0 below a per-layer budget it would not meet alone.
+    robust = [{"policy": "a", "cost": 1.0, "rel_l2": 0.01}, {"policy": "b", "cost": 0.5, "rel_l2": 0.06}]
+    sensitive = [{"policy": "a", "cost": 1.0, "rel_l2": 0.01}, {"policy": "b", "cost": 0.9, "rel_l2": 0.3}]
+    chosen, _ = allocate_model([pareto_front(robust), pareto_front(sensitive)], 0.05)
+    assert [c["cost"] for c in chosen] == [0.5, 1.0]
+    assert model_error(chosen) == pytest.approx(math.sqrt((0.06**2 + 0.01**2) / 2))
+
+
+def test_allocation_weights_are_checked():
+    fronts = [pareto_front([{"policy": "a", "cost": 1.0, "rel_l2": 0.01}])] * 2
+    for weights in ([1.0], [1.0, -1.0], [1.0, float("nan")]):
+        with pytest.raises(ValueError, match="weights"):
+            allocate_model(fronts, 0.1, weights)
+
+
+@pytest.mark.parametrize("allocation", ["model", "weighted"])
+def test_calibrate_model_allocation(model_and_text, allocation):
+    model, tok, text = model_and_text
+    kwargs = dict(tokenizer=tok, windows=1, window_len=300, progress=False)
+    loose = calibrate(model, text, 1.0, "sm100", **kwargs)
+    budget = sorted(e["rel_l2"] for e in loose.stats["layers"]["1"]["evaluated"])[0] * 0.9
+    per_layer = calibrate(model, text, budget, "sm100", **kwargs)
+    pooled = calibrate(model, text, budget, "sm100", allocation=allocation, **kwargs)
+    assert per_layer.stats["allocation"] == "layer" and pooled.stats["allocation"] == allocation
+    layer_stats = [pooled.stats["layers"][str(i)] for i in range(pooled.num_layers)]
+    weights = None
+    if allocation == "weighted":
+        weights = [s["sensitivity"]["weight"] for s in layer_stats]
+        assert sum(weights) / len(weights) == pytest.approx(1.0)
+        assert all(s["sensitivity"]["kl"] > 0 for s in layer_stats)
+    assert pooled.stats["model_error"] == pytest.approx(model_error(layer_stats, weights))
+    assert pooled.stats["model_error"] <= budget and all(s["within_budget"] for s in layer_stats)
+    assert pooled.stats["cost"] <= per_layer.stats["cost"] + 1e-12
+    # Every candidate and the exact policy scored in full, the choice among them.
+    for i, s in enumerate(layer_stats):
+        assert len(s["evaluated"]) == len(candidate_policies("sm100")) + 1
+        assert all(e["complete"] for e in s["evaluated"])
+        assert pooled.layers[i].to_string() == s["policy"]
+    assert f"{allocation} allocation" in policy_table(pooled)
+
+
+def test_bad_allocation_is_rejected(model_and_text):
+    model, tok, text = model_and_text
+    with pytest.raises(ValueError, match="allocation"):
+        calibrate(model, text, 0.1, tokenizer=tok, allocation="global", progress=False)
 
 
 @pytest.mark.parametrize("budget", [0, -0.1, float("nan"), float("inf"), "0.1", True])

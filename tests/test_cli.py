@@ -63,6 +63,8 @@ def run(capsys, *argv):
          "--out: directory"),
         (["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "0.1", "--out", "{root}/p.json",
           "--target", "sm80"], "invalid choice"),
+        (["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "0.1", "--out", "{root}/p.json",
+          "--allocation", "global"], "invalid choice"),
         (["compare", "--model", "{model}", "--text", "{text}", "--policy", "{other}"], "30 attention layers"),
         (["compare", "--model", "{model}", "--text", "{text}", "--policy", "{broken}"], "not valid JSON"),
         (["compare", "--model", "{model}", "--text", "{text}", "--policy", "{root}/none.json"], "does not exist"),
@@ -106,3 +108,13 @@ def test_calibrate_then_compare(files, capsys, tmp_path):
     saved = json.loads(json_path.read_text())
     assert set(saved["policies"]) == {"sdpa", "all_mxfp8", "all_mxfp4", "paper", "hopper", "calibrated (sm90)"}
     assert (tmp_path / "errors.png").is_file()
+
+
+def test_calibrate_model_allocation(files, capsys, tmp_path):
+    policy_path = tmp_path / "policy.json"
+    code, out, _ = run(capsys, "calibrate", "--model", files["model"], "--text", files["text"], "--budget", "0.05",
+                       "--out", str(policy_path), "--target", "sm100", "--windows", "1", "--window-len", "200",
+                       "--allocation", "model")
+    assert code == 0 and "model allocation: root mean square" in out
+    stats = ModelPolicy.load(policy_path).stats
+    assert stats["allocation"] == "model" and stats["model_error"] <= 0.05
