@@ -401,16 +401,19 @@ def attention_from_quantized(
         mask_kind = MASK_BOOL if info.is_bool else MASK_ADD
         mask_args = (info.values, *info.values.stride(), info.summary, *info.summary_strides)
 
-    def operand_args(q_op: Operand, k_op: Operand):
+    def operand_args(q_op: Operand, k_op: Operand, k_desc: TensorDescriptor):
         x = q_op.values
-        return (x, q_op.exponents if q_op.exponents is not None else x, *x.stride(), _descriptor(k_op.values),
+        return (x, q_op.exponents if q_op.exponents is not None else x, *x.stride(), k_desc,
                 k_op.exponents if k_op.exponents is not None else x)
 
+    # One descriptor (and at most one contiguous copy) when both classes read the same K.
+    k_lo = _descriptor(qi.k_lo.values)
+    k_hi = k_lo if qi.k_hi.values is qi.k_lo.values else _descriptor(qi.k_hi.values)
     pv_fp8 = policy.pv == "fp8"
     args = dict(zip(
         ("Q_HI", "QA_HI", "sqh_b", "sqh_h", "sqh_m", "sqh_d", "K_HI", "KA_HI",
          "Q_LO", "QA_LO", "sql_b", "sql_h", "sql_m", "sql_d", "K_LO", "KA_LO"),
-        (*operand_args(qi.q_hi, qi.k_hi), *operand_args(qi.q_lo, qi.k_lo)),
+        (*operand_args(qi.q_hi, qi.k_hi, k_hi), *operand_args(qi.q_lo, qi.k_lo, k_lo)),
     ))
     args.update(
         V=_descriptor(qi.v, lk if pv_fp8 else None), VSCALE=qi.v_scales if pv_fp8 else qi.v, O=out,
