@@ -107,6 +107,8 @@ def _compare_sizes(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=_positive_int, help="generation prompts (default 2 on CPU, 4 on a GPU)")
     p.add_argument("--prompt-len", type=_positive_int, help="prompt tokens (default 512 on CPU, 1024 on a GPU)")
     p.add_argument("--new-tokens", type=_positive_int, help="greedy tokens generated (default 32 on CPU, 64 on a GPU)")
+    p.add_argument("--eager-only", action="store_true",
+                   help="on a GPU, time eager prefill only (skip one torch.compile per policy with CUDA graphs)")
 
 
 def _check_model_dir(path: str) -> str:
@@ -198,6 +200,7 @@ def run_compare(model, tokenizer, text: str, policy, args, json_path=None, plot_
     result = compare(
         model, text, policy, tokenizer=tokenizer, windows=args.windows, window_len=args.window_len,
         prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens, plot=plot_path,
+        compiled_prefill=not args.eager_only,
     )
     print(result.report())
     if json_path:

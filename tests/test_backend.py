@@ -60,6 +60,33 @@ def test_llama_on_the_gpu_runs_the_kernel(seed, caplog):
     assert relative_error(out[valid].float(), ref[valid].float()) < 2e-2, f"seed {seed}"
 
 
+@pytest.mark.gpu
+def test_llama_under_cuda_graphs_matches_eager_dma(seed, caplog):
+    """mode="reduce-overhead": the kernel's launches are captured and replayed
+    through CUDA graphs (the third call on replays), with a padding mask that
+    changes between calls: the mask classification must follow the replayed
+    mask's contents, not a cached earlier one."""
+    dma_compile.ops._warn_fallback_once.cache_clear()
+    model = causal_lm("llama", "sdpa", seed, head_dim=64).cuda().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    dma_compile.hf.register(None, impl="reference")
+    ref_model = causal_lm("llama", "dma", seed, head_dim=64).cuda().to(torch.bfloat16)
+    compiled = torch.compile(model, backend="dma", mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad(), caplog.at_level(logging.INFO):
+        for pad in (0, 21, 150, 7):
+            mask = torch.ones(2, 300, dtype=torch.long)
+            mask[1, :pad] = 0
+            mask = mask.cuda()
+            ids = torch.randint(0, 97, (2, 300), generator=gen).cuda()
+            out = compiled(ids, attention_mask=mask).logits.float().clone()
+            ref = ref_model(ids, attention_mask=mask).logits.float()
+            valid = mask.bool()
+            assert relative_error(out[valid], ref[valid]) < 2e-2, f"seed {seed}"
+    assert any("2 of 2 SDPA call sites run dma.attention" in r.getMessage() for r in caplog.records)
+    assert not any("instead of the kernel" in r.getMessage() for r in caplog.records)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 

@@ -118,3 +118,25 @@ def test_calibrate_model_allocation(files, capsys, tmp_path):
     assert code == 0 and "model allocation: root mean square" in out
     stats = ModelPolicy.load(policy_path).stats
     assert stats["allocation"] == "model" and stats["model_error"] <= 0.05
+
+
+@pytest.mark.parametrize("flag, compiled", [([], True), (["--eager-only"], False)])
+def test_eager_only_skips_the_compiled_prefill(files, capsys, monkeypatch, flag, compiled):
+    import dma_compile.compare
+
+    seen = {}
+
+    class Result:
+        plot = None
+
+        def report(self):
+            return "report"
+
+    def fake_compare(*args, **kwargs):
+        seen.update(kwargs)
+        return Result()
+
+    monkeypatch.setattr(dma_compile.compare, "compare", fake_compare)
+    code, out, _ = run(capsys, "compare", "--model", files["model"], "--text", files["text"], *flag)
+    assert code == 0 and "report" in out
+    assert seen["compiled_prefill"] is compiled

@@ -91,18 +91,18 @@ def test_compare_rejects_a_policy_for_another_model(setup):
         compare(model, text, tokenizer=tok, window_len=0, progress=False)
 
 
-def test_speed_table_with_a_wall_clock_timer(setup, monkeypatch):
-    """Part (c) runs on a GPU only (CUDA event timing); here a wall-clock stand-in
-    for `cuda_time_ms` runs the same measuring code on the CPU reference."""
+def _wall_clock_timer(monkeypatch):
+    """A wall-clock stand-in for `cuda_time_ms`, so that part (c)'s measuring
+    code runs on the CPU; returns the list of `graph` flags it was asked for."""
     import importlib
     import time
 
-    from dma_compile.compare import _build_tables, measure_speed
-
     # The package exports the function `calibrate`, which shadows the module's name.
     calibrate_module = importlib.import_module("dma_compile.calibrate")
+    graph_flags = []
 
-    def wall_ms(fn, repeats=20):
+    def wall_ms(fn, repeats=20, graph=True):
+        graph_flags.append(graph)
         fn()
         start = time.perf_counter()
         for _ in range(2):
@@ -110,18 +110,98 @@ def test_speed_table_with_a_wall_clock_timer(setup, monkeypatch):
         return (time.perf_counter() - start) * 500
 
     monkeypatch.setattr(calibrate_module, "cuda_time_ms", wall_ms)
+    return graph_flags
+
+
+def test_speed_table_with_a_wall_clock_timer(setup, monkeypatch):
+    """Part (c) runs on a GPU only (CUDA event timing); here it runs on the CPU
+    reference with a wall-clock timer, eager prefill only."""
+    from dma_compile.compare import _build_tables, measure_speed
+
+    graph_flags = _wall_clock_timer(monkeypatch)
     model, tok, text, policy = setup
     policies = standard_policies(policy)
     window = tok(text, return_tensors="pt").input_ids[0, :64]
-    speed = measure_speed(model, policies, window, num_layers=2)
+    speed = measure_speed(model, policies, window, num_layers=2, compiled=False)
     assert list(speed) == list(policies)
+    assert all(set(s) == {"prefill_ms", "attention_ms"} for s in speed.values())
     assert all(s["prefill_ms"] > 0 and s["attention_ms"] > 0 for s in speed.values())
+    # Eager prefill is timed with its host work; attention calls by their GPU time (graph replay).
+    assert False in graph_flags and True in graph_flags
 
     result = compare(model, text, policy, tokenizer=tok, windows=1, window_len=64, prompts=1, prompt_len=40,
                      new_tokens=2, progress=False)
     result.speed = speed
     _build_tables(result, policies, policy)
     table = result.tables["speed"]
-    assert "(c)" in table and "prefill ms" in table
+    assert "(c)" in table and "eager prefill ms" in table and "compiled prefill ms" not in table
     for name in policies:
         assert name in table
+
+
+def test_compiled_prefill_column(setup, monkeypatch):
+    """The compiled prefill (torch.compile with mode="reduce-overhead", Inductor
+    for SDPA, the dma backend for a policy) is timed and tabulated; on the CPU
+    Inductor runs without CUDA graphs."""
+    from dma_compile.compare import _build_tables, measure_speed
+
+    _wall_clock_timer(monkeypatch)
+    model, tok, text, policy = setup
+    policies = {"sdpa": None, "calibrated (sm100)": policy}
+    window = tok(text, return_tensors="pt").input_ids[0, :64]
+    speed = measure_speed(model, policies, window, num_layers=2, compiled=True)
+    assert all(s["compiled_prefill_ms"] > 0 for s in speed.values())
+    assert model.config._attn_implementation == "sdpa"
+
+    result = compare(model, text, policy, tokenizer=tok, windows=1, window_len=64, prompts=1, prompt_len=40,
+                     new_tokens=2, progress=False)
+    result.speed = speed
+    _build_tables(result, policies, policy)
+    header = result.tables["speed"].splitlines()[1]
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "policy", "eager prefill ms", "speedup", "compiled prefill ms", "speedup", "attention ms", "speedup"]
+
+
+@pytest.mark.gpu
+def test_cuda_time_ms_replays_a_captured_graph():
+    """graph=True: fn runs 3 warm-ups and one capture, then the graph replays;
+    graph=False and uncapturable fns (a host sync) run fn every repeat."""
+    from dma_compile.calibrate import cuda_time_ms
+    from dma_compile.ops import dma_attention
+
+    q, k, v = (torch.randn(1, 4, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    calls = []
+
+    def attention():
+        calls.append(1)
+        return dma_attention(q, k, v, is_causal=True, policy="hopper")
+
+    assert cuda_time_ms(attention, repeats=7) > 0
+    assert len(calls) == 4
+    calls.clear()
+    assert cuda_time_ms(attention, repeats=7, graph=False) > 0
+    assert len(calls) == 10
+    calls.clear()
+
+    def syncing():
+        calls.append(1)
+        return (q.sum() > 0).item()
+
+    assert cuda_time_ms(syncing, repeats=7) > 0
+    assert len(calls) == 3 + 1 + 7
+
+
+@pytest.mark.gpu
+def test_speed_on_the_gpu_with_cuda_graphs(setup):
+    """Part (c) on CUDA: eager and compiled (CUDA graphs) prefill, attention GPU time."""
+    from dma_compile.compare import measure_speed
+
+    model, tok, text, policy = setup
+    model = model.cuda()
+    try:
+        window = tok(text, return_tensors="pt").input_ids[0, :256]
+        speed = measure_speed(model, {"sdpa": None, "hopper": standard_policies()["hopper"]}, window, num_layers=2)
+        for s in speed.values():
+            assert s["prefill_ms"] > 0 and s["compiled_prefill_ms"] > 0 and s["attention_ms"] > 0
+    finally:
+        model.cpu()
