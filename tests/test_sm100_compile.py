@@ -2,18 +2,17 @@
 
 No B200 is needed: `compile_sm100` runs Triton's real compiler (and the
 ptxas its wheel ships) for an explicit sm_100 target. The compilation runs in
-a subprocess because the rest of the test suite may have switched Triton to
-its interpreter (TRITON_INTERPRET=1), which compiles nothing.
+a subprocess (tests/offline_compile.py says why).
 
 Run as a script (`python tests/test_sm100_compile.py`) it prints a table of
 the tensor-core MMA instructions in each configuration's PTX.
 """
 
 import json
-import os
 import re
-import subprocess
 import sys
+
+from offline_compile import compile_in_subprocess
 
 # (name, policy string, compile_sm100 keyword arguments)
 CONFIGS = [
@@ -48,18 +47,8 @@ def compile_all() -> dict:
     return result
 
 
-def _compile_in_subprocess() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--json"], env=env, capture_output=True, text=True, timeout=540,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_sm100_ptx_uses_block_scaled_tensor_cores():
-    result = _compile_in_subprocess()
+    result = compile_in_subprocess(__file__)
     configs = result["configs"]
     for name, info in configs.items():
         assert info["target"].startswith("sm_100"), (name, info["target"])

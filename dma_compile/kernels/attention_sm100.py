@@ -473,15 +473,6 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
     return out
 
 
-# Triton's names of the pointer element types the kernel takes.
-_POINTER_TYPES = {
-    torch.bfloat16: "*bf16",
-    torch.float16: "*fp16",
-    torch.float32: "*fp32",
-    torch.float8_e4m3fn: "*fp8e4nv",
-    torch.uint8: "*u8",
-    torch.int32: "*i32",
-}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The block-scaled tensor-core MMA in PTX: Triton 3.6 writes
 # "...kind::mxf8f6f4.block_scale.scale_vec::1X", Triton 3.9 "...block_scale.block32".
@@ -520,11 +511,8 @@ def compile_sm100(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim:
     or "additive" (broadcast over heads). Returns Triton's compiled kernel:
     `.asm` holds "ttgir", "ptx" and "cubin". Needs TRITON_INTERPRET unset.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from dma_compile.kernels.target_compile import compile_for_target
 
-    if INTERPRET:
-        raise RuntimeError("compile_sm100 needs TRITON_INTERPRET unset: the interpreter compiles nothing")
     torch_dtype = _DTYPES[dtype]
     b, hq, hk, length, d = 1, 8, 2, 4096, head_dim
     default_m, default_n = default_block_sizes(policy.tile, d)
@@ -553,29 +541,8 @@ def compile_sm100(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim:
         q, k, v_op, v_strides, v_scales, out, m, mask_strides, summary, summary_strides, mask_kind,
         *(_placeholder_operands(b, hq, hk, length, d, torch_dtype, policy)[f] for f in (policy.hi, policy.lo)),
         is_causal, 1.0 / math.sqrt(d), policy, block_m, block_n)
-
-    kernel = _dma_attention_sm100_kernel
-    signature, attrs = {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        value = args.get(name)
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif isinstance(value, torch.Tensor):
-            signature[name] = _POINTER_TYPES[value.dtype]
-            # Torch allocations are 16-byte aligned: a launch specialises on that.
-            attrs[(index,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        elif value == 1:
-            # A launch turns integer arguments equal to 1 into constants.
-            signature[name], constexprs[name] = "constexpr", 1
-        else:
-            signature[name] = "i32"
-            if value % 16 == 0:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": _num_warps(block_m), "num_stages": 2}
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    return compile_for_target(_dma_attention_sm100_kernel, {**args, **constexprs}, capability,
+                              num_warps=_num_warps(block_m), num_stages=2)
 
 
 def block_scaled_mma_instructions(ptx: str) -> dict[str, int]:

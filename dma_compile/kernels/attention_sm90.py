@@ -385,21 +385,21 @@ def _descriptor(x: torch.Tensor, logical_len: int | None = None) -> TensorDescri
     return TensorDescriptor(x, shape, strides, [1, 1, 16, 16])
 
 
-def attention_from_quantized(
-    qi: QuantizedInputs, shape: tuple[int, int, int, int, int, int, int], attn_mask, is_causal: bool, scale: float,
-    policy: AttentionPolicy, config: triton.Config | None = None,
-) -> torch.Tensor:
-    """The attention kernel alone. shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
-    b, hq, hk, lq, lk, d, dv = shape
-    ref = qi.q_lo.values
-    out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=ref.device)
+def _mask_arguments(attn_mask, b: int, hq: int, lq: int, lk: int, placeholder: torch.Tensor):
+    """(MASK_KIND, the kernel's nine mask arguments) for an explicit mask or None."""
     if attn_mask is None:
-        mask_kind = MASK_NONE
-        mask_args = (ref, 0, 0, 0, 0, ref, 0, 0, 0)
-    else:
-        info = classify_mask(attn_mask, b, hq, lq, lk)
-        mask_kind = MASK_BOOL if info.is_bool else MASK_ADD
-        mask_args = (info.values, *info.values.stride(), info.summary, *info.summary_strides)
+        return MASK_NONE, (placeholder, 0, 0, 0, 0, placeholder, 0, 0, 0)
+    info = classify_mask(attn_mask, b, hq, lq, lk)
+    return (MASK_BOOL if info.is_bool else MASK_ADD,
+            (info.values, *info.values.stride(), info.summary, *info.summary_strides))
+
+
+def _kernel_args(
+    qi: QuantizedInputs, out: torch.Tensor, shape: tuple[int, int, int, int, int, int, int], mask_kind: int,
+    mask_args: tuple, is_causal: bool, scale: float, policy: AttentionPolicy,
+) -> dict:
+    """The attention kernel's arguments by name, block sizes left out."""
+    b, hq, hk, lq, lk, d, dv = shape
 
     def operand_args(q_op: Operand, k_op: Operand, k_desc: TensorDescriptor):
         x = q_op.values
@@ -427,6 +427,18 @@ def attention_from_quantized(
         HI_KIND=_kind(policy.hi, policy), LO_KIND=_kind(policy.lo, policy), ONE_CLASS=policy.hi == policy.lo,
         PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, CELL=CELL, HW_CVT=HW_CVT,
     )
+    return args
+
+
+def attention_from_quantized(
+    qi: QuantizedInputs, shape: tuple[int, int, int, int, int, int, int], attn_mask, is_causal: bool, scale: float,
+    policy: AttentionPolicy, config: triton.Config | None = None,
+) -> torch.Tensor:
+    """The attention kernel alone. shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
+    b, hq, hk, lq, lk, d, dv = shape
+    out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
+    mask_kind, mask_args = _mask_arguments(attn_mask, b, hq, lq, lk, qi.q_lo.values)
+    args = _kernel_args(qi, out, shape, mask_kind, mask_args, is_causal, scale, policy)
     if INTERPRET:
         args.update(_INTERPRET_META)
         _set_block_shapes(args)
@@ -457,3 +469,55 @@ def attention_sm90(
     k, v = collapse_expanded_heads(k, v)
     shape = (b, hq, k.shape[1], lq, k.shape[2], d, v.shape[-1])
     return attention_from_quantized(quantize_inputs(q, k, v, policy), shape, attn_mask, is_causal, scale, policy, config)
+
+
+def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: int = 128, is_causal: bool = False,
+                 mask: str | None = None, config: triton.Config | None = None, capability: int = 90):
+    """Compile the attention kernel for CUDA compute capability `capability`
+    (90: H100/H200, sm_90a) on any machine, GPU or not.
+
+    Arguments are specialised as a launch on (1, 8, 1024, head_dim) queries
+    and (1, 2, 1024, head_dim) keys and values would be; mask: None, "bool"
+    or "additive" (broadcast over heads); config: the block configuration
+    (default: the first autotuning candidate for head_dim and the policy's
+    tile). Returns Triton's compiled kernel: `.asm` holds "ttgir", "ptx" and
+    "cubin". Needs TRITON_INTERPRET unset.
+    """
+    from dma_compile.kernels.target_compile import compile_for_target
+
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    b, hq, hk, length, d = 1, 8, 2, 1024, head_dim
+
+    # Small CPU tensors rather than meta ones: the descriptors read a data pointer.
+    def empty(*shape, dtype=torch_dtype):
+        return torch.empty(*shape, dtype=dtype)
+
+    def operand(fmt: str, heads: int) -> Operand:
+        if fmt == "none":
+            return Operand(empty(b, heads, length, d))
+        if policy.mx_mode == "folded":
+            return Operand(empty(b, heads, length, d, dtype=torch.float8_e4m3fn),
+                           empty(b, heads, length, dtype=torch.int32))
+        return Operand(empty(b, heads, length, d, dtype=torch.bfloat16))
+
+    if policy.pv == "fp8":
+        v, v_scales = empty(b, hk, d, length, dtype=torch.float8_e4m3fn), empty(b, hk, d, dtype=torch.float32)
+    else:
+        v, v_scales = empty(b, hk, length, d), None
+    qi = QuantizedInputs(operand(policy.hi, hq), operand(policy.hi, hk), operand(policy.lo, hq),
+                         operand(policy.lo, hk), v, v_scales, torch_dtype)
+    out = empty(b, hq, length, d)
+    if mask is None:
+        mask_kind, mask_args = _mask_arguments(None, b, hq, length, length, out)
+    else:
+        values = empty(b, 1, length, length, dtype=torch.uint8 if mask == "bool" else torch_dtype)
+        summary = empty(b, 1, length // CELL, 4, dtype=torch.int32)
+        mask_kind = {"bool": MASK_BOOL, "additive": MASK_ADD}[mask]
+        mask_args = (values, *values.expand(b, hq, length, length).stride(),
+                     summary, summary.stride(0), 0, summary.stride(2))
+    shape = (b, hq, hk, length, length, d, d)
+    args = _kernel_args(qi, out, shape, mask_kind, mask_args, is_causal, 1.0 / math.sqrt(d), policy)
+    config = config or _configs_for(d, policy.tile)[0]
+    args.update(config.kwargs)
+    _set_block_shapes(args)
+    return compile_for_target(_dma_attention_kernel, args, capability, config.num_warps, config.num_stages)
