@@ -213,16 +213,27 @@ def _log2_parts(a):
 
 
 @triton.jit
-def _scale_exponent(amax, EMAX: tl.constexpr, MAX_FRAC: tl.constexpr, RCEIL: tl.constexpr):
-    """E8M0 exponent of a block with finite amax (formats.scale_exponents).
+def _mx_limits(FMT: tl.constexpr):
+    """(emax, max_frac) of element format FMT (1 E4M3, 2 E5M2, 3 E2M1): its
+    largest normal is 1.max_frac * 2^emax, max_frac as float32 mantissa bits."""
+    if FMT == 1:
+        return 8, 0x600000
+    elif FMT == 2:
+        return 15, 0x600000
+    else:
+        return 2, 0x400000
 
-    The largest normal is 1.MAX_FRAC * 2^EMAX: rceil takes the smallest k with
-    amax <= max_normal * 2^k, floor the spec's floor(log2 amax) - EMAX.
-    """
+
+@triton.jit
+def _scale_exponent(amax, FMT: tl.constexpr, RCEIL: tl.constexpr):
+    """E8M0 exponent of a block with finite amax (formats.scale_exponents):
+    rceil takes the smallest k with amax <= max_normal * 2^k, floor the spec's
+    floor(log2 amax) - emax."""
+    emax, max_frac = _mx_limits(FMT)
     e, frac = _log2_parts(amax)
     if RCEIL:
-        e = e + (frac > MAX_FRAC).to(tl.int32)
-    s = tl.where(amax == 0, -127, e - EMAX)
+        e = e + (frac > max_frac).to(tl.int32)
+    s = tl.where(amax == 0, -127, e - emax)
     return tl.minimum(tl.maximum(s, -127), 127)
 
 
@@ -245,20 +256,12 @@ def _block_amax(x):
 def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, out_offs, row_offs,
                  FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr):
     """MX-quantize x (tokens, D // 32, 32) with its blocks' `_block_amax`; store the exact or folded form."""
-    if FMT == 1:
-        EMAX: tl.constexpr = 8
-        MAX_FRAC: tl.constexpr = 0x600000
-    elif FMT == 2:
-        EMAX: tl.constexpr = 15
-        MAX_FRAC: tl.constexpr = 0x600000
-    else:
-        EMAX: tl.constexpr = 2
-        MAX_FRAC: tl.constexpr = 0x400000
-    s = _scale_exponent(amax, EMAX, MAX_FRAC, RCEIL)
+    s = _scale_exponent(amax, FMT, RCEIL)
     elem = _on_element_grid(x * _pow2(-s)[:, :, None], FMT, HW_CVT)
     if FOLDED:
+        emax, _ = _mx_limits(FMT)
         # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
-        a = tl.max(tl.where(bad, 128, s), axis=1) + (EMAX - 8)
+        a = tl.max(tl.where(bad, 128, s), axis=1) + (emax - 8)
         shift = tl.maximum(s - a[:, None], -126)
         bits = _e4m3_code(elem * _pow2(shift)[:, :, None], HW_CVT)
         bits = tl.where(bad[:, :, None], 0x7F, bits)

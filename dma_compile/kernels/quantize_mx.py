@@ -66,15 +66,6 @@ def _e2m1_codes(elem):
 @triton.jit
 def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.constexpr, RCEIL: tl.constexpr):
     """MX-quantize x (tokens, D // 32, 32) float32; store payload bytes and E8M0 scales."""
-    if FMT == 1:
-        EMAX: tl.constexpr = 8
-        MAX_FRAC: tl.constexpr = 0x600000
-    elif FMT == 2:
-        EMAX: tl.constexpr = 15
-        MAX_FRAC: tl.constexpr = 0x600000
-    else:
-        EMAX: tl.constexpr = 2
-        MAX_FRAC: tl.constexpr = 0x400000
     NB: tl.constexpr = D // 32
     BLOCK_T: tl.constexpr = x.shape[0]
     ax = tl.abs(x)
@@ -82,7 +73,7 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
     # A block holding NaN or Inf gets scale 255 (NaN) and zero elements, as formats.quantize_mx.
     bad = tl.max((~finite).to(tl.int32), axis=2) > 0
     amax = tl.max(tl.where(finite, ax, 0.0), axis=2)
-    s = _scale_exponent(amax, EMAX, MAX_FRAC, RCEIL)
+    s = _scale_exponent(amax, FMT, RCEIL)
     # A finite float32 amax is below 2^128, so s <= 126 and 2^-s is a normal float.
     elem = _round_element(tl.where(finite, x, 0.0) * _pow2(-s)[:, :, None], FMT)
     elem = tl.where(bad[:, :, None], 0.0, elem)
