@@ -1,14 +1,17 @@
-"""Run a target-compile test script in a subprocess and read its JSON result.
+"""Shared by the target-compile tests: compile each configuration of a kernel
+for its GPU, in a subprocess, and describe the result.
 
 The rest of the test suite may have switched Triton to its interpreter
-(TRITON_INTERPRET=1), which compiles nothing, so the compile tests run their
-script as a fresh process without it.
+(TRITON_INTERPRET=1), which compiles nothing, so each compile test runs its
+own file as a script in a fresh process without it and reads its JSON.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 
 def compile_in_subprocess(script: str) -> dict:
@@ -19,3 +22,46 @@ def compile_in_subprocess(script: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def count_matches(pattern: re.Pattern, text: str, key=lambda m: m.group(0)) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for match in pattern.finditer(text):
+        counts[key(match)] = counts.get(key(match), 0) + 1
+    return counts
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread and stack-frame bytes (spills show there), read
+    with the cuobjdump Triton's wheel ships; empty where it has none."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.isfile(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = {key: re.search(rf"{key}:(\d+)", text) for key in ("REG", "STACK")}
+    return {key.lower(): int(m.group(1)) for key, m in found.items() if m}
+
+
+def compile_configs(compile_fn, configs, describe) -> dict:
+    """compile_fn(policy, **kwargs) for each (name, policy string, kwargs):
+    per name the PTX target, cubin size, resources and describe(ptx)."""
+    import triton
+
+    from dma_compile import AttentionPolicy
+
+    result = {"triton": triton.__version__, "configs": {}}
+    for name, policy, kwargs in configs:
+        kernel = compile_fn(AttentionPolicy.from_string(policy), **kwargs)
+        ptx = kernel.asm["ptx"]
+        result["configs"][name] = {
+            "target": re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1),
+            "cubin_bytes": len(kernel.asm["cubin"]),
+            **resources(kernel.asm["cubin"]),
+            **describe(ptx),
+        }
+    return result

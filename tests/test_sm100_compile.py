@@ -12,7 +12,7 @@ import json
 import re
 import sys
 
-from offline_compile import compile_in_subprocess
+from offline_compile import compile_configs, compile_in_subprocess, count_matches
 
 # (name, policy string, compile_sm100 keyword arguments)
 CONFIGS = [
@@ -26,25 +26,10 @@ MMA = re.compile(r"\btcgen05\.mma\.cta_group::[12]\.kind::[\w.:]+")
 
 def compile_all() -> dict:
     """Compile every configuration; per name, the tcgen05.mma variants with counts."""
-    import triton
-
-    from dma_compile import AttentionPolicy
     from dma_compile.kernels.attention_sm100 import block_scaled_mma_instructions, compile_sm100
 
-    result = {"triton": triton.__version__, "configs": {}}
-    for name, policy, kwargs in CONFIGS:
-        kernel = compile_sm100(AttentionPolicy.from_string(policy), **kwargs)
-        ptx = kernel.asm["ptx"]
-        mma: dict[str, int] = {}
-        for match in MMA.finditer(ptx):
-            mma[match.group(0)] = mma.get(match.group(0), 0) + 1
-        result["configs"][name] = {
-            "target": re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1),
-            "mma": mma,
-            "block_scaled": block_scaled_mma_instructions(ptx),
-            "cubin_bytes": len(kernel.asm["cubin"]),
-        }
-    return result
+    return compile_configs(compile_sm100, CONFIGS, lambda ptx: {
+        "mma": count_matches(MMA, ptx), "block_scaled": block_scaled_mma_instructions(ptx)})
 
 
 def test_sm100_ptx_uses_block_scaled_tensor_cores():

@@ -11,13 +11,10 @@ configuration's wgmma instructions, registers per thread and stack frame
 """
 
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
-from offline_compile import compile_in_subprocess
+from offline_compile import compile_configs, compile_in_subprocess, count_matches
 
 # (name, policy string, compile_sm90 keyword arguments)
 CONFIGS = [
@@ -30,42 +27,12 @@ CONFIGS = [
 WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.f32\.(\w+)\.(\w+)")
 
 
-def _resources(cubin: bytes) -> dict:
-    """Registers per thread and stack-frame bytes, where the wheel has cuobjdump."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.isfile(tool):
-        return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    found = {key: re.search(rf"{key}:(\d+)", text) for key in ("REG", "STACK")}
-    return {key.lower(): int(m.group(1)) for key, m in found.items() if m}
-
-
 def compile_all() -> dict:
     """Compile every configuration: target, wgmma operand types with counts, resources."""
-    import triton
-
-    from dma_compile import AttentionPolicy
     from dma_compile.kernels.attention_sm90 import compile_sm90
 
-    result = {"triton": triton.__version__, "configs": {}}
-    for name, policy, kwargs in CONFIGS:
-        kernel = compile_sm90(AttentionPolicy.from_string(policy), **kwargs)
-        ptx = kernel.asm["ptx"]
-        wgmma: dict[str, int] = {}
-        for a, b in WGMMA.findall(ptx):
-            wgmma[f"{a}x{b}"] = wgmma.get(f"{a}x{b}", 0) + 1
-        result["configs"][name] = {
-            "target": re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1),
-            "wgmma": wgmma,
-            "cubin_bytes": len(kernel.asm["cubin"]),
-            **_resources(kernel.asm["cubin"]),
-        }
-    return result
+    return compile_configs(compile_sm90, CONFIGS, lambda ptx: {
+        "wgmma": count_matches(WGMMA, ptx, key=lambda m: f"{m.group(1)}x{m.group(2)}")})
 
 
 def test_sm90_ptx_uses_the_policies_tensor_cores():
