@@ -226,7 +226,8 @@ def prefill_ms(model, window: torch.Tensor) -> float:
 def compiled_prefill_ms(model, policy: ModelPolicy | None, window: torch.Tensor) -> float:
     """Prefill under torch.compile(mode="reduce-overhead"): Inductor with stock
     SDPA (policy None) or the "dma" backend, replayed through CUDA graphs, so
-    small models are not timed by their kernel launches."""
+    small models are not timed by their kernel launches. Resets Dynamo's
+    caches before and after, so each policy compiles afresh."""
     from dma_compile.backend import dma_backend
     from dma_compile.calibrate import cuda_time_ms
 
