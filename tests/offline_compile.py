@@ -65,3 +65,12 @@ def compile_configs(compile_fn, configs, describe) -> dict:
             **describe(ptx),
         }
     return result
+
+
+def script_main(compile_all, print_table) -> None:
+    """A compile test run as a script: JSON for compile_in_subprocess with --json, else a table."""
+    compiled = compile_all()
+    if "--json" in sys.argv:
+        print(json.dumps(compiled))
+    else:
+        print_table(compiled)

@@ -8,11 +8,9 @@ Run as a script (`python tests/test_sm100_compile.py`) it prints a table of
 the tensor-core MMA instructions in each configuration's PTX.
 """
 
-import json
 import re
-import sys
 
-from offline_compile import compile_configs, compile_in_subprocess, count_matches
+from offline_compile import compile_configs, compile_in_subprocess, count_matches, script_main
 
 # (name, policy string, compile_sm100 keyword arguments)
 CONFIGS = [
@@ -68,8 +66,4 @@ def _print_table(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    compiled = compile_all()
-    if "--json" in sys.argv:
-        print(json.dumps(compiled))
-    else:
-        _print_table(compiled)
+    script_main(compile_all, _print_table)

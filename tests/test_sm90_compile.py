@@ -10,11 +10,9 @@ configuration's wgmma instructions, registers per thread and stack frame
 (spills show there), read from the cubin with the cuobjdump Triton ships.
 """
 
-import json
 import re
-import sys
 
-from offline_compile import compile_configs, compile_in_subprocess, count_matches
+from offline_compile import compile_configs, compile_in_subprocess, count_matches, script_main
 
 # (name, policy string, compile_sm90 keyword arguments)
 CONFIGS = [
@@ -64,8 +62,4 @@ def _print_table(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    compiled = compile_all()
-    if "--json" in sys.argv:
-        print(json.dumps(compiled))
-    else:
-        _print_table(compiled)
+    script_main(compile_all, _print_table)
