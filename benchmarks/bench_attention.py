@@ -125,7 +125,7 @@ def quant_bytes(q, k, v, qi):
     written, seen = 0, set()
     tensors = [qi.v, qi.v_scales]
     for op in (qi.q_hi, qi.k_hi, qi.q_lo, qi.k_lo):
-        tensors += [op.values, op.exponents]
+        tensors += [op.values, op.exponents, op.scales]
     for t in tensors:
         if t is not None and t.data_ptr() not in inputs and t.data_ptr() not in seen:
             seen.add(t.data_ptr())

@@ -32,8 +32,9 @@ def _q():
 
 
 def on_cpu(operands):
-    """{format: (values, exponents)} of the pass's output, moved to the CPU."""
-    return {f: (op.values.cpu(), None if op.exponents is None else op.exponents.cpu()) for f, op in operands.items()}
+    """{format: (values, exponents, scales)} of the pass's output, moved to the CPU."""
+    return {f: tuple(None if t is None else t.cpu() for t in (op.values, op.exponents, op.scales))
+            for f, op in operands.items()}
 
 
 def tailed(shape, dtype, device):
@@ -67,18 +68,23 @@ def same(a, b):
 def test_tokens_match_formats(device, dtype, scale_rule, mode, fmts, seed):
     shape = (2, 3, 37, 64) if device == "cpu" else (2, 8, 1000, 128)
     x = tailed(shape, dtype, device)
-    got = on_cpu(_q().quantize_tokens(x, fmts, mode, scale_rule))
+    # Whole tokens of tiny values: their folded exponents lie below float32's
+    # normal range, where the powers of two for the kernels are clamped.
+    x[0, 0, :2] = (torch.randn(2, shape[-1]) * (2.0**-127 if dtype == torch.bfloat16 else 2.0**-20)).to(dtype)
+    got = on_cpu(_q().quantize_tokens(x, fmts, mode, scale_rule, pow2_scales=True))
     x = x.cpu()
     for fmt in fmts:
         mx = formats.quantize_mx(x.float(), fmt, scale_rule)
         if mode == "folded":
             elements, exponents = formats.fold_mx(mx)
-            values, got_exponents = got[fmt]
+            values, got_exponents, got_scales = got[fmt]
             assert values.dtype == torch.float8_e4m3fn
             assert same(values, elements), f"seed {seed} {fmt} payload"
             assert torch.equal(got_exponents, exponents), f"seed {seed} {fmt} exponents"
+            assert torch.equal(got_scales, torch.exp2(exponents.clamp(-126, 127).float())), f"seed {seed} {fmt} scales"
         else:
-            values, _ = got[fmt]
+            values, _, scales = got[fmt]
+            assert scales is None
             assert values.dtype == torch.bfloat16
             assert same(values, mx.dequantize().to(torch.bfloat16)), f"seed {seed} {fmt}"
 

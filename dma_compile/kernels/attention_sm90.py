@@ -5,13 +5,16 @@ blocks that are not fully masked. Which blocks run in which precision comes
 from the policy's precision tiles (docs/semantics.md): BLOCK_M and BLOCK_N
 divide the tile, so a block never straddles two tiles, and the key blocks of
 one class form at most two key ranges per query tile (sink + diagonal band in
-the high format, the rest in the low one). Every class runs in four loops of
+the high format, the rest in the low one). The blocks run in three loops of
 compile-time shape:
 
-    low format  x {no masking, masking}, high format x {no masking, masking}
+    low format, no masking;  low format, masking;  high format, masking
 
 "masking" covers causal masking, the key tail and explicit masks; the mask is
-read only for blocks its classification (kernels.masks) marks partial. QK^T
+read only for blocks its classification (kernels.masks) marks partial. The
+high format's few blocks (sink and diagonal band) share one masking loop:
+a separate unmasked loop for them cost more in pipeline prologues, code size
+and registers than the masking it saves (3% at 16k tokens on an H200). QK^T
 runs on bf16/fp16 tensor cores for "none" and exact MX (dequantized by the
 quantization pass) and on fp8 tensor cores for folded MX, with one power of
 two per query row and key column. Softmax is online in fp32 with exp2; P·V
@@ -38,7 +41,6 @@ from dma_compile.kernels.quantize import (
     HW_CVT,
     INTERPRET,
     Operand,
-    _pow2,
     _to_dtype,
     _to_f32,
     _to_e4m3,
@@ -50,6 +52,7 @@ from dma_compile.kernels.schedule import (
     block_counts,
     block_start,
     collapse_expanded_heads,
+    intersect,
     key_range,
     precision_band,
     split_by_masking,
@@ -87,11 +90,10 @@ def _dot_acc(a, b, acc, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _row_scales(QA, rows, row_ok, sm_scale, KIND: tl.constexpr, BLOCK_M: tl.constexpr):
+def _row_scales(QS, rows, row_ok, sm_scale, KIND: tl.constexpr, BLOCK_M: tl.constexpr):
     """Per-row factor of the scores: softmax scale * log2(e), times 2^A for folded Q."""
     if KIND == 1:
-        qa = tl.load(QA + rows, mask=row_ok, other=0)
-        r = _pow2(tl.minimum(tl.maximum(qa, -126), 127)) * sm_scale
+        r = tl.load(QS + rows, mask=row_ok, other=0.0) * sm_scale
     else:
         r = tl.full([BLOCK_M], 1.0, tl.float32) * sm_scale
     return r
@@ -100,7 +102,7 @@ def _row_scales(QA, rows, row_ok, sm_scale, KIND: tl.constexpr, BLOCK_M: tl.cons
 @triton.jit
 def _attend(
     acc, l_i, m_i, q, q_scale,
-    K, KA, V, b, hk, MASK, sm_m, sm_n,
+    K, KS, V, b, hk, MASK, sm_m, sm_n,
     offs_m, Lq, Lk,
     r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e,
     KIND: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -110,7 +112,12 @@ def _attend(
     """Online-softmax update over the key blocks of up to four [start, end) key ranges.
 
     K and V (or e4m3 V^T) come through tensor descriptors: bulk copies on
-    Hopper, with keys past Lk read as zeros."""
+    Hopper, with keys past Lk read as zeros. KS holds folded K's per-key
+    powers of two as float32, so the loop multiplies without converting.
+    With FP8 P·V, P is kept scaled by 256 throughout (exp2 of the score minus
+    m - 8): e4m3(P * 256) then needs no multiply, and l carries the same
+    factor, which the final division cancels."""
+    P_LOG2: tl.constexpr = 8.0 if PV_FP8 else 0.0
     arange_n = tl.arange(0, BLOCK_N)
     n0c, n1c, n2c, n3c = block_counts(r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e, BLOCK_N)
     row_ok = offs_m < Lq
@@ -122,10 +129,10 @@ def _attend(
         qk = _dot_nt(q, k, HW_CVT)
         if KIND == 1:
             if MASKED:
-                ka = tl.load(KA + offs_n, mask=key_ok, other=0)
+                ks = tl.load(KS + offs_n, mask=key_ok, other=0.0)
             else:
-                ka = tl.load(KA + offs_n)
-            qk = qk * _pow2(tl.minimum(tl.maximum(ka, -126), 127))[None, :]
+                ks = tl.load(KS + offs_n)
+            qk = qk * ks[None, :]
         if MASKED:
             s = qk * q_scale[:, None]
             valid = key_ok[None, :]
@@ -142,17 +149,17 @@ def _attend(
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # Rows with every key so far masked keep m = -inf; subtract 0 there.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
+            p = tl.math.exp2(s - (m_use - P_LOG2)[:, None])
             alpha = tl.math.exp2(m_i - m_use)
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * q_scale)
-            p = tl.math.exp2(qk * q_scale[:, None] - m_new[:, None])
+            p = tl.math.exp2(qk * q_scale[:, None] - (m_new - P_LOG2)[:, None])
             alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if PV_FP8:
             vt = V.load([b, hk, 0, start]).reshape(HEAD_DIM_V, BLOCK_N)
-            acc = tl.dot(_to_e4m3(p * 256.0, HW_CVT), tl.trans(vt), acc)
+            acc = tl.dot(_to_e4m3(p, HW_CVT), tl.trans(vt), acc)
         else:
             v = V.load([b, hk, start, 0]).reshape(BLOCK_N, HEAD_DIM_V)
             acc = _dot_acc(_to_dtype(p, V.dtype, HW_CVT), v, acc, HW_CVT)
@@ -162,8 +169,8 @@ def _attend(
 
 @triton.jit
 def _dma_attention_kernel(
-    Q_HI, QA_HI, sqh_b, sqh_h, sqh_m, sqh_d, K_HI, KA_HI,
-    Q_LO, QA_LO, sql_b, sql_h, sql_m, sql_d, K_LO, KA_LO,
+    Q_HI, QS_HI, sqh_b, sqh_h, sqh_m, sqh_d, K_HI, KS_HI,
+    Q_LO, QS_LO, sql_b, sql_h, sql_m, sql_d, K_LO, KS_LO,
     V, VSCALE,
     O, so_b, so_h, so_m, so_d,
     MASK, sm_b, sm_h, sm_m, sm_n,
@@ -205,39 +212,34 @@ def _dma_attention_kernel(
     )
     q = tl.load(Q_LO + b64 * sql_b + h.to(tl.int64) * sql_h + offs_m[:, None] * sql_m + offs_d[None, :] * sql_d,
                 mask=row_ok[:, None], other=0.0)
-    q_scale = _row_scales(QA_LO + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, LO_KIND, BLOCK_M)
-    ka_base = KA_LO + (b64 * Hk + hk) * Lk
+    q_scale = _row_scales(QS_LO + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, LO_KIND, BLOCK_M)
+    ks_base = KS_LO + (b64 * Hk + hk) * Lk
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_scale, K_LO, ka_base, V, b, hk, mask_base, sm_m, sm_n,
+        acc, l_i, m_i, q, q_scale, K_LO, ks_base, V, b, hk, mask_base, sm_m, sm_n,
         offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
         LO_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_scale, K_LO, ka_base, V, b, hk, mask_base, sm_m, sm_n,
+        acc, l_i, m_i, q, q_scale, K_LO, ks_base, V, b, hk, mask_base, sm_m, sm_n,
         offs_m, Lq, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
         LO_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
 
     if not ONE_CLASS:
         # High format: [0, sink_end) and [band_s, band_e).
-        a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1 = split_by_masking(
-            0, sink_end, band_s, band_e, kv_start, kv_end, u_lo, u_hi
-        )
+        r0s, r0e = intersect(0, sink_end, kv_start, kv_end)
+        r1s, r1e = intersect(band_s, band_e, kv_start, kv_end)
         q = tl.load(Q_HI + b64 * sqh_b + h.to(tl.int64) * sqh_h + offs_m[:, None] * sqh_m + offs_d[None, :] * sqh_d,
                     mask=row_ok[:, None], other=0.0)
-        q_scale = _row_scales(QA_HI + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, HI_KIND, BLOCK_M)
-        ka_base = KA_HI + (b64 * Hk + hk) * Lk
+        q_scale = _row_scales(QS_HI + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, HI_KIND, BLOCK_M)
+        ks_base = KS_HI + (b64 * Hk + hk) * Lk
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_scale, K_HI, ka_base, V, b, hk, mask_base, sm_m, sm_n,
-            offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
-            HI_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
-        acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_scale, K_HI, ka_base, V, b, hk, mask_base, sm_m, sm_n,
-            offs_m, Lq, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
+            acc, l_i, m_i, q, q_scale, K_HI, ks_base, V, b, hk, mask_base, sm_m, sm_n,
+            offs_m, Lq, Lk, r0s, r0e, r1s, r1e, 0, 0, 0, 0,
             HI_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
 
     offs_dv = tl.arange(0, HEAD_DIM_V)
     if PV_FP8:
         v_scale = tl.load(VSCALE + (b64 * Hk + hk) * HEAD_DIM_V + offs_dv)
-        acc = acc * (v_scale * (1.0 / 256.0))[None, :]
+        acc = acc * v_scale[None, :]
     # A row with every key masked has l = 0 and outputs zeros, as SDPA.
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
@@ -320,9 +322,10 @@ def _class_operands(q, k, policy: AttentionPolicy, key_mean) -> dict[str, tuple[
     """(Q, K) operands of each format the policy uses, from one quantization pass each."""
     mx_formats = tuple(f for f in policy.formats if f != "none")
     want_none = "none" in policy.formats
-    q_ops = quantize_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule)
+    q_ops = quantize_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True)
     k_ops = quantize_tokens(
-        k, mx_formats, policy.mx_mode, policy.scale_rule, mean=key_mean, write_none=want_none and key_mean is not None
+        k, mx_formats, policy.mx_mode, policy.scale_rule, mean=key_mean, write_none=want_none and key_mean is not None,
+        pow2_scales=True,
     )
     if want_none:
         q_ops["none"] = Operand(q)
@@ -403,16 +406,16 @@ def _kernel_args(
 
     def operand_args(q_op: Operand, k_op: Operand, k_desc: TensorDescriptor):
         x = q_op.values
-        return (x, q_op.exponents if q_op.exponents is not None else x, *x.stride(), k_desc,
-                k_op.exponents if k_op.exponents is not None else x)
+        return (x, q_op.scales if q_op.scales is not None else x, *x.stride(), k_desc,
+                k_op.scales if k_op.scales is not None else x)
 
     # One descriptor (and at most one contiguous copy) when both classes read the same K.
     k_lo = _descriptor(qi.k_lo.values)
     k_hi = k_lo if qi.k_hi.values is qi.k_lo.values else _descriptor(qi.k_hi.values)
     pv_fp8 = policy.pv == "fp8"
     args = dict(zip(
-        ("Q_HI", "QA_HI", "sqh_b", "sqh_h", "sqh_m", "sqh_d", "K_HI", "KA_HI",
-         "Q_LO", "QA_LO", "sql_b", "sql_h", "sql_m", "sql_d", "K_LO", "KA_LO"),
+        ("Q_HI", "QS_HI", "sqh_b", "sqh_h", "sqh_m", "sqh_d", "K_HI", "KS_HI",
+         "Q_LO", "QS_LO", "sql_b", "sql_h", "sql_m", "sql_d", "K_LO", "KS_LO"),
         (*operand_args(qi.q_hi, qi.k_hi, k_hi), *operand_args(qi.q_lo, qi.k_lo, k_lo)),
     ))
     args.update(
@@ -497,7 +500,7 @@ def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: 
             return Operand(empty(b, heads, length, d))
         if policy.mx_mode == "folded":
             return Operand(empty(b, heads, length, d, dtype=torch.float8_e4m3fn),
-                           empty(b, heads, length, dtype=torch.int32))
+                           empty(b, heads, length, dtype=torch.int32), empty(b, heads, length, dtype=torch.float32))
         return Operand(empty(b, heads, length, d, dtype=torch.bfloat16))
 
     if policy.pv == "fp8":

@@ -253,9 +253,11 @@ def _block_amax(x):
 
 
 @triton.jit
-def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, out_offs, row_offs,
-                 FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr):
-    """MX-quantize x (tokens, D // 32, 32) with its blocks' `_block_amax`; store the exact or folded form."""
+def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, SCALES, out_offs, row_offs,
+                 FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
+                 HW_CVT: tl.constexpr):
+    """MX-quantize x (tokens, D // 32, 32) with its blocks' `_block_amax`; store
+    the exact or folded form (and, with POW2, the folded exponents' powers of two)."""
     s = _scale_exponent(amax, FMT, RCEIL)
     elem = _on_element_grid(x * _pow2(-s)[:, :, None], FMT, HW_CVT)
     if FOLDED:
@@ -267,6 +269,8 @@ def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, out_offs, row_offs,
         bits = tl.where(bad[:, :, None], 0x7F, bits)
         tl.store(OUT + out_offs, bits, mask=ok)
         tl.store(EXPS + row_offs, a, mask=row_ok)
+        if POW2:
+            tl.store(SCALES + row_offs, _pow2(tl.minimum(tl.maximum(a, -126), 127)), mask=row_ok)
     else:
         # NaN before scaling (a bad block's elements could overflow); two
         # steps keep the power of two normal for s = -127.
@@ -277,11 +281,11 @@ def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, out_offs, row_offs,
 @triton.jit
 def _quantize_tokens_kernel(
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, OUT1, EXPS1, OUT2, EXPS2,
+    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
-    FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr,
+    FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
     """BLOCK_T whole tokens of one (batch, head): each thread loads 16-byte
@@ -308,9 +312,11 @@ def _quantize_tokens_kernel(
         tl.store(NONE_OUT + out_offs, _to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
     if FMT1 != 0:
         amax, bad = _block_amax(x)
-        _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, out_offs, row_offs, FMT1, FOLDED, RCEIL, HW_CVT)
+        _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, SCALES1, out_offs, row_offs,
+                     FMT1, FOLDED, RCEIL, POW2, HW_CVT)
         if FMT2 != 0:
-            _quantize_mx(x, amax, bad, ok, row_ok, OUT2, EXPS2, out_offs, row_offs, FMT2, FOLDED, RCEIL, HW_CVT)
+            _quantize_mx(x, amax, bad, ok, row_ok, OUT2, EXPS2, SCALES2, out_offs, row_offs,
+                         FMT2, FOLDED, RCEIL, POW2, HW_CVT)
 
 
 @triton.jit
@@ -424,11 +430,14 @@ class Operand:
 
     values: (B, H, L, D), in the input dtype ("none"), bf16 (exact MX) or
     float8_e4m3fn (folded MX); exponents: (B, H, L) int32, the per-token power
-    of two of folded MX (None otherwise).
+    of two of folded MX (None otherwise); scales: (B, H, L) float32,
+    2^exponents clamped to float32's normal range, for kernels that multiply
+    by them (written only when asked).
     """
 
     values: torch.Tensor
     exponents: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
 
 
 def _token_block(d: int) -> int:
@@ -444,11 +453,13 @@ def quantize_tokens(
     scale_rule: str = "rceil",
     mean: torch.Tensor | None = None,
     write_none: bool = False,
+    pow2_scales: bool = False,
 ) -> dict[str, Operand]:
     """Quantize x (B, H, L, D) along D for each MX format in `formats`.
 
     mean: (B, H, D) float32 to subtract first (K smoothing). write_none: also
     return the (smoothed) values rounded to x's dtype under the key "none".
+    pow2_scales: folded operands also get `Operand.scales`.
     """
     b, h, length, d = x.shape
     if d % 32 != 0 or d & (d - 1):
@@ -457,6 +468,7 @@ def quantize_tokens(
     if len(mx) > 2 or any(f not in FMT_CODES for f in mx):
         raise ValueError(f"formats: at most two of {list(FMT_CODES)}, got {formats}")
     folded = mx_mode == "folded"
+    pow2 = folded and pow2_scales
     result: dict[str, Operand] = {}
     outs = []
     for fmt in mx:
@@ -464,18 +476,19 @@ def quantize_tokens(
             op = Operand(
                 torch.empty(b, h, length, d, dtype=torch.float8_e4m3fn, device=x.device),
                 torch.empty(b, h, length, dtype=torch.int32, device=x.device),
+                torch.empty(b, h, length, dtype=torch.float32, device=x.device) if pow2 else None,
             )
-            outs.append((op.values.view(torch.uint8), op.exponents))
+            outs.append((op.values.view(torch.uint8), op.exponents, op.scales if pow2 else op.exponents))
         else:
             op = Operand(torch.empty(b, h, length, d, dtype=torch.bfloat16, device=x.device))
-            outs.append((op.values, op.values))
+            outs.append((op.values, op.values, op.values))
         result[fmt] = op
     none_out = None
     if write_none:
         none_out = torch.empty(b, h, length, d, dtype=x.dtype, device=x.device)
         result["none"] = Operand(none_out)
     while len(outs) < 2:
-        outs.append((x, x))
+        outs.append((x, x, x))
     if not mx and not write_none:
         return result
     smooth = mean is not None
@@ -484,11 +497,11 @@ def quantize_tokens(
     _quantize_tokens_kernel[grid](
         x, *x.stride(),
         mean.contiguous() if smooth else x, none_out if write_none else x,
-        outs[0][0], outs[0][1], outs[1][0], outs[1][1],
+        *outs[0], *outs[1],
         h, length,
         D=d, BLOCK_T=block_t, SMOOTH=smooth, WRITE_NONE=write_none,
         FMT1=FMT_CODES[mx[0]] if mx else 0, FMT2=FMT_CODES[mx[1]] if len(mx) > 1 else 0,
-        FOLDED=folded, RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT,
+        FOLDED=folded, RCEIL=scale_rule == "rceil", POW2=pow2, HW_CVT=HW_CVT,
         num_warps=4,
     )
     return result
