@@ -15,7 +15,10 @@ dtype, and the output is rounded to it: HALF_TOL, two output ulps at 1. FP8
 P·V rounds P to e4m3 the same way, up to one e4m3 ulp (2^-3 relative) per
 probability, which averages out over keys (seen: max 2.6e-2, mean 8e-4):
 FP8_PV_TOL and FP8_PV_MEAN_TOL; with one key block holding every key the
-running max is the final max and FP8 P·V matches within FP32_TOL. Each
+running max is the final max and FP8 P·V matches within FP32_TOL, except
+where exp2 and exp, a last bit apart, put P * 256 on two sides of an e4m3
+rounding boundary (one row in about a hundred runs: then one probability
+moves by one e4m3 ulp). Each
 tolerance is checked against the change that putting tiles in the other
 precision class makes (`_assert_discriminates`).
 
@@ -177,12 +180,16 @@ def test_folded_matches_reference(seed, policy):
 
 
 def test_fp8_pv_single_key_block_is_exact(seed):
-    """With every key in one block the running max is the final max: e4m3(P * 256) is the reference's."""
+    """With every key in one block the running max is the final max: e4m3(P * 256)
+    is the reference's, but for the rare probability that exp2 and exp round to
+    two sides of an e4m3 rounding boundary (one e4m3 ulp, 2^-3 relative, of one P)."""
     q, k, v = _qkv(1, 2, 2, 50, 100, 64)
     policy = AttentionPolicy(tile=128, pv="fp8")
     out = attention_sm100(q, k, v, None, False, None, policy)
     ref = _reference(q, k, v, None, False, None, policy)
-    assert _max_error(out, ref) < FP32_TOL, f"seed {seed}"
+    row_error = (out.float() - ref.float()).abs().amax(-1)
+    assert int((row_error >= FP32_TOL).sum()) <= 2, f"seed {seed}: {row_error.max().item():.3g}"
+    assert row_error.max().item() < 2.0**-3 * v.abs().max().item(), f"seed {seed}"
     assert _max_error(dma_attention_reference(q, k, v, None, False, None, policy.replace(pv="input")), ref) > 1e-3
 
 
