@@ -129,7 +129,7 @@ def test_values_fp8(device, dtype, seed):
 @pytest.mark.parametrize("device", DEVICES)
 def test_statistics_over_several_chunks(device, seed):
     """K's mean and V's scales from one pass over both, split into chunks of keys
-    (on the CPU too: 4096 // D keys per chunk at least), with a NaN in V."""
+    (on the CPU too: at most 64 keys per step), with a NaN in V."""
     shape = (1, 2, 333, 32) if device == "cpu" else (2, 3, 20000, 128)
     k = (torch.randn(shape) * 3 + torch.randn(shape[-1]) * 5).to(torch.bfloat16)
     v = (torch.randn(shape) * torch.exp2(torch.randint(-8, 9, (shape[-1],)).float())).to(torch.bfloat16)
@@ -138,3 +138,34 @@ def test_statistics_over_several_chunks(device, seed):
     assert torch.equal(stats.key_mean.cpu(), key_mean(k.cpu()).squeeze(-2)), f"seed {seed}"
     assert same(stats.value_scales.cpu(), fp8_value_scale(v).squeeze(-2)), f"seed {seed}"
     assert torch.isnan(stats.value_scales[0, 1, 2]) and not torch.isnan(stats.value_scales[0, 1, 3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value_scale", [False, True])
+def test_statistics_launch_also_quantizes_queries(device, value_scale, seed):
+    """Q quantized by the statistics launch's extra programs equals Q quantized
+    by its own launch, and the statistics are unchanged by sharing it."""
+    kshape, qshape = ((1, 2, 150, 64), (1, 4, 41, 64)) if device == "cpu" else ((2, 4, 5000, 128), (2, 8, 3001, 128))
+    k = (torch.randn(kshape) * 3 + torch.randn(kshape[-1]) * 5).to(torch.bfloat16).to(device)
+    v = torch.randn(kshape).to(torch.bfloat16).to(device)
+    q = tailed(qshape, torch.bfloat16, device)
+    fmts = ("mxfp8_e4m3", "mxfp4_e2m1")
+    plan = _q().plan_tokens(q, fmts, "folded", "rceil", pow2_scales=True)
+    shared = _q().kv_statistics(k, v, key_mean=True, value_scale=value_scale, alongside=plan)
+    alone = _q().kv_statistics(k, v, key_mean=True, value_scale=value_scale)
+    assert torch.equal(shared.key_mean, alone.key_mean), f"seed {seed}"
+    if value_scale:
+        assert same(shared.value_scales, alone.value_scales), f"seed {seed}"
+    expected = on_cpu(_q().quantize_tokens(q, fmts, "folded", "rceil", pow2_scales=True))
+    got = on_cpu(plan.operands)
+    for fmt in fmts:
+        for name, a, b in zip(("values", "exponents", "scales"), got[fmt], expected[fmt]):
+            assert same(a, b), f"seed {seed} {fmt} {name}"
+
+
+def test_only_unsmoothed_plans_share_the_statistics_launch():
+    k = torch.randn(1, 1, 8, 32).to(torch.bfloat16)
+    mean = torch.zeros(1, 1, 32)
+    plan = _q().plan_tokens(k, ("mxfp8_e4m3",), mean=mean)
+    with pytest.raises(ValueError, match="alongside"):
+        _q().kv_statistics(k, k, key_mean=True, value_scale=False, alongside=plan)

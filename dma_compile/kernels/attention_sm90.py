@@ -45,6 +45,7 @@ from dma_compile.kernels.quantize import (
     _to_f32,
     _to_e4m3,
     kv_statistics,
+    plan_tokens,
     quantize_tokens,
     quantize_values_fp8,
 )
@@ -318,21 +319,6 @@ def _check(q, v, scale, policy: AttentionPolicy) -> None:
         raise Unsupported("fp8 tensor cores (folded MX or pv='fp8') need compute capability 8.9 or newer")
 
 
-def _class_operands(q, k, policy: AttentionPolicy, key_mean) -> dict[str, tuple[Operand, Operand]]:
-    """(Q, K) operands of each format the policy uses, from one quantization pass each."""
-    mx_formats = tuple(f for f in policy.formats if f != "none")
-    want_none = "none" in policy.formats
-    q_ops = quantize_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True)
-    k_ops = quantize_tokens(
-        k, mx_formats, policy.mx_mode, policy.scale_rule, mean=key_mean, write_none=want_none and key_mean is not None,
-        pow2_scales=True,
-    )
-    if want_none:
-        q_ops["none"] = Operand(q)
-        k_ops.setdefault("none", Operand(k))
-    return {f: (q_ops[f], k_ops[f]) for f in policy.formats}
-
-
 @dataclass
 class QuantizedInputs:
     """What the quantization pass produces for one call: the (Q, K) operands of
@@ -349,13 +335,21 @@ class QuantizedInputs:
 
 
 def quantize_inputs(q, k, v, policy: AttentionPolicy) -> QuantizedInputs:
-    """The quantization pass: K statistics, then Q, K (and V) in the kernel's layouts.
+    """The quantization pass: K's (and V's) statistics and Q, then K (and V),
+    in the kernel's layouts.
 
     k and v must already have their stride-0 heads collapsed (`schedule.collapse_expanded_heads`).
     """
-    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8")
-    ops = _class_operands(q, k, policy, stats.key_mean)
-    (q_hi, k_hi), (q_lo, k_lo) = ops[policy.hi], ops[policy.lo]
+    mx_formats = tuple(f for f in policy.formats if f != "none")
+    q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True)
+    # Q needs no statistics, so it can share their launch (see kv_statistics).
+    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8", alongside=q_plan)
+    smoothed_none = "none" in policy.formats and stats.key_mean is not None
+    k_ops = quantize_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
+                            write_none=smoothed_none, pow2_scales=True)
+    q_ops = {"none": Operand(q), **q_plan.operands}
+    k_ops.setdefault("none", Operand(k))
+    q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]
     if policy.pv == "fp8":
         return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, quantize_values_fp8(v, stats.value_exponents),
                                stats.value_scales, q.dtype)
