@@ -199,7 +199,7 @@ def cuda_time_ms(fn, repeats: int = 20, graph: bool = True) -> float:
 
     graph: time replays of `fn` captured in a CUDA graph, i.e. the GPU's time
     alone. A small attention call spends longer in the host's launches (about
-    0.35 ms for the sm90 path's five) than on the GPU, so direct timing would
+    0.35 ms for the sm90 path's four or five) than on the GPU, so direct timing would
     rank policies by their launch counts. A `fn` that synchronizes with the
     host cannot be captured and is timed directly; graph=False times direct
     calls, host work included.
