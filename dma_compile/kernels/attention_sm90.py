@@ -366,10 +366,11 @@ def _copyable(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _descriptor(x: torch.Tensor, logical_len: int | None = None) -> TensorDescriptor:
-    """A 4-d descriptor over x (B, H, rows, cols); logical_len shortens the last
-    dimension (V^T's padding) so that reads past it return zeros. The block
-    shape is set per launch configuration (`_set_block_shapes`)."""
+def descriptor_geometry(x: torch.Tensor, logical_len: int | None = None) -> tuple[torch.Tensor, list, list]:
+    """(tensor, shape, strides) of a 4-d bulk-copy descriptor over x (B, H,
+    rows, cols): x itself or a contiguous copy (`_copyable`); logical_len
+    shortens the last dimension (V^T's padding) so that reads past it return
+    zeros. Shared by the Triton and Gluon Hopper kernels."""
     x = _copyable(x)
     shape = list(x.shape)
     if logical_len is not None:
@@ -379,7 +380,13 @@ def _descriptor(x: torch.Tensor, logical_len: int | None = None) -> TensorDescri
     for i in (2, 1, 0):
         if x.shape[i] == 1:
             strides[i] = strides[i + 1] * x.shape[i + 1]
-    return TensorDescriptor(x, shape, strides, [1, 1, 16, 16])
+    return x, shape, strides
+
+
+def _descriptor(x: torch.Tensor, logical_len: int | None = None) -> TensorDescriptor:
+    """A 4-d descriptor over x (`descriptor_geometry`). The block shape is set
+    per launch configuration (`_set_block_shapes`)."""
+    return TensorDescriptor(*descriptor_geometry(x, logical_len), [1, 1, 16, 16])
 
 
 def _mask_arguments(attn_mask, b: int, hq: int, lq: int, lk: int, placeholder: torch.Tensor):

@@ -26,14 +26,20 @@ POINTER_TYPES = {
 }
 
 
-def compile_for_target(kernel, args: dict, capability: int, num_warps: int, num_stages: int):
-    """Compile `kernel` (a @triton.jit function) for CUDA compute capability
-    `capability` (90: H100/H200, 100: B200) with the launch arguments `args`
-    (by parameter name; constexpr parameters left out take their defaults).
-    Returns Triton's compiled kernel: `.asm` holds "ttgir", "ptx" and "cubin"."""
+def compile_for_target(kernel, args: dict, capability: int, num_warps: int, num_stages: int,
+                       extra_options: dict | None = None, gluon: bool = False):
+    """Compile `kernel` (a @triton.jit function, or @gluon.jit with gluon=True)
+    for CUDA compute capability `capability` (90: H100/H200, 100: B200) with
+    the launch arguments `args` (by parameter name; constexpr parameters left
+    out take their defaults) and compile options `extra_options` (e.g.
+    maxnreg). Returns Triton's compiled kernel: `.asm` holds "ttgir", "ptx"
+    and "cubin"."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
+
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
     if INTERPRET:
         raise RuntimeError("compiling for a target needs TRITON_INTERPRET unset: the interpreter compiles nothing")
@@ -48,7 +54,7 @@ def compile_for_target(kernel, args: dict, capability: int, num_warps: int, num_
             signature[name] = POINTER_TYPES[value.dtype]
             # Torch allocations are 16-byte aligned: a launch specialises on that.
             attrs[(index,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, TensorDescriptor):
+        elif type(value).__name__ == "TensorDescriptor":  # Triton's or Gluon's host descriptor
             signature[name] = mangle_type(value)
         elif isinstance(value, float):
             signature[name] = "fp32"
@@ -60,5 +66,5 @@ def compile_for_target(kernel, args: dict, capability: int, num_warps: int, num_
             if value % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
+    options = {"num_warps": num_warps, "num_stages": num_stages, **(extra_options or {})}
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)

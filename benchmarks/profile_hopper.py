@@ -1,0 +1,31 @@
+"""One launch of each Hopper DMA kernel (Gluon, Triton) on the quantization
+pass's output, for `ncu` (the first launch of each warms up):
+
+    ncu --clock-control none -k regex:_dma_attention --launch-skip 2 --launch-count 2 \
+        --section WarpStateStats --section SourceCounters python benchmarks/profile_hopper.py
+"""
+
+import argparse
+import math
+
+import torch
+
+from dma_compile import AttentionPolicy
+from dma_compile.kernels.attention_sm90 import attention_from_quantized, quantize_inputs
+from dma_compile.kernels.attention_sm90_gluon import gluon_attention_from_quantized
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--shape", default="1,32,32,16384,128,1", help="B,Hq,Hkv,S,D,causal")
+parser.add_argument("--policy", default="hopper", choices=["hopper", "hopper_fp8pv"])
+parser.add_argument("--block-n", type=int, default=128)
+args = parser.parse_args()
+b, hq, hk, s, d, causal = (int(x) for x in args.shape.split(","))
+policy = AttentionPolicy.hopper().replace(pv="fp8" if args.policy == "hopper_fp8pv" else "input")
+q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+qi = quantize_inputs(q, k, v, policy)
+shape = (b, hq, hk, s, s, d, d)
+for _ in range(2):
+    gluon_attention_from_quantized(qi, shape, bool(causal), 1 / math.sqrt(d), policy, block_n=args.block_n)
+    attention_from_quantized(qi, shape, None, bool(causal), 1 / math.sqrt(d), policy)
+torch.cuda.synchronize()

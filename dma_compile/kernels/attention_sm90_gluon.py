@@ -1,0 +1,563 @@
+"""DMA attention for Hopper (sm_90a) in Gluon: warp-specialized, one launch.
+
+FlashAttention-3's schedule with DMA's numerics. A program owns 128 query
+rows of one (batch, head) and three roles:
+
+- the **producer** (one warp, few registers) issues TMA loads of the key
+  blocks, each into the ring of its precision class (the low format's K, the
+  high format's K), and of the V blocks (or e4m3 V^T) into one V ring, each
+  stage guarded by a ready and an empty mbarrier;
+- two **consumer** warpgroups, 64 query rows each, read the same stages.
+  Each issues QK^T of block j+1 (async wgmma) before the softmax of block j,
+  so the tensor cores work while the CUDA cores run exp2. With `PINGPONG`
+  the two take turns issuing their matmuls (a pair of mbarriers stands in
+  for FA3's named barriers, which Gluon lacks), so one's softmax overlaps
+  the other's matmuls.
+
+The math is `attention_sm90`'s (docs/semantics.md): the same quantization
+pass output (`attention_sm90.quantize_inputs`), the same precision bands per
+128-token tile (`_block_plan`), folded MX on e4m3 tensor cores with one power
+of two per query row and key column, "none" on bf16/fp16 tensor cores, online
+softmax in fp32 with exp2, P·V in V's dtype or in FP8 (e4m3(P * 256) against
+e4m3 V^T with per-channel scales). The calls it does not serve (see
+`unsupported_reason`) go to the portable Triton kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from dma_compile.kernels import Unsupported
+from dma_compile.kernels.attention_sm90 import KIND_FP8, _kind, descriptor_geometry, quantize_inputs
+from dma_compile.kernels.gluon_compat import (
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from dma_compile.kernels.schedule import collapse_expanded_heads
+from dma_compile.policy import AttentionPolicy
+
+LOG2E = 1.4426950408889634
+ROWS_PER_CONSUMER = 64
+BLOCK_M = 2 * ROWS_PER_CONSUMER
+HEAD_DIMS = (64, 128)
+# Registers per thread at launch over the 12 warps (3 warpgroups) of a
+# program; setmaxnreg then moves them from the producer to the consumers.
+MAXNREG = 168
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
+
+
+def unsupported_reason(q, k, v, attn_mask, policy: AttentionPolicy) -> str | None:
+    """Why the Gluon kernel cannot serve this call, or None when it can."""
+    if q.device.type != "cuda":
+        return f"the Gluon sm90 kernel needs CUDA tensors, got {q.device.type}"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "the Gluon sm90 kernel needs an sm_90 GPU (H100/H200)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon sm90 kernel takes bfloat16 or float16, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
+        return f"the Gluon sm90 kernel takes head_dim {list(HEAD_DIMS)} with equal q/k and v head_dim"
+    if attn_mask is not None:
+        return "the Gluon sm90 kernel does not read explicit masks yet"
+    if policy.uses_mx and policy.mx_mode != "folded":
+        return "the Gluon sm90 kernel runs folded MX only (exact MX dequantizes to bf16)"
+    if policy.tile % BLOCK_M != 0:
+        return f"the Gluon sm90 kernel needs a precision tile that is a multiple of {BLOCK_M}"
+    return None
+
+
+@gluon.jit
+def _intersect(a0, a1, b0, b1):
+    """[a0, a1) ∩ [b0, b1) as (start, end), empty as start == end."""
+    lo = gl.maximum(a0, b0)
+    return lo, gl.maximum(gl.minimum(a1, b1), lo)
+
+
+@gluon.jit
+def _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
+                TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr):
+    """The key ranges of the program's query block m0: two in the low format,
+    two in the high one (docs/semantics.md's precision bands; `schedule.precision_band`)."""
+    kv_end = Lk
+    if IS_CAUSAL:
+        kv_end = gl.minimum(Lk, m0 + 128)
+    if ONE_CLASS:
+        l0s, l0e, l1s, l1e = 0, kv_end, 0, 0
+        h0s, h0e, h1s, h1e = 0, 0, 0, 0
+    else:
+        q_first = (m0 // TILE) * TILE
+        q_last = gl.minimum(q_first + TILE, Lq) - 1
+        if IS_CAUSAL:
+            offset = 0
+        else:
+            offset = Lk - Lq
+        pad = gl.cdiv(Lq, TILE) * TILE
+        band_lo = (q_first + offset + pad) // TILE - pad // TILE - (DIAG_TILES - 1)
+        band_hi = (q_last + offset + pad) // TILE - pad // TILE + (DIAG_TILES - 1)
+        sink_end = SINK_TILES * TILE
+        band_s = gl.maximum(band_lo * TILE, sink_end)
+        band_e = gl.maximum((band_hi + 1) * TILE, band_s)
+        l0s, l0e = _intersect(sink_end, band_s, 0, kv_end)
+        l1s, l1e = _intersect(band_e, kv_end, 0, kv_end)
+        h0s, h0e = _intersect(0, sink_end, 0, kv_end)
+        h1s, h1e = _intersect(band_s, band_e, 0, kv_end)
+    return l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e
+
+
+@gluon.jit
+def _runtime_zero():
+    """0 as an int32 tensor: loop-carried counters must not start as constants."""
+    return gl.program_id(0) * 0
+
+
+@gluon.jit
+def _block_start(i, n0, r0s, r1s, BLOCK_N: gl.constexpr):
+    return gl.where(i < n0, r0s + i * BLOCK_N, r1s + (i - n0) * BLOCK_N)
+
+
+@gluon.jit
+def _produce_class(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, b, hk,
+                   r0s, r0e, r1s, r1e, v_count, PV_FP8: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr):
+    n0 = gl.cdiv(r0e - r0s, BLOCK_N)
+    n = n0 + gl.cdiv(r1e - r1s, BLOCK_N)
+    for i in range(n):
+        start = _block_start(i, n0, r0s, r1s, BLOCK_N)
+        s = i % STAGES
+        mbarrier.wait(k_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma_load(k_desc, [b, hk, start, 0], k_ready.index(s), k_ring.index(s))
+        vs = v_count % STAGES
+        mbarrier.wait(v_empty.index(vs), ((v_count // STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
+        if PV_FP8:
+            tma_load(v_desc, [b, hk, 0, start], v_ready.index(vs), v_ring.index(vs))
+        else:
+            tma_load(v_desc, [b, hk, start, 0], v_ready.index(vs), v_ring.index(vs))
+        v_count += 1
+    return v_count
+
+
+@gluon.jit
+def _producer(k_lo_desc, k_hi_desc, v_desc, k_lo_ring, k_hi_ring, v_ring, barriers, scalars,
+              TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Loads every key block the consumers visit, in their order: the low
+    format's ranges, then the high format's."""
+    k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
+    m0, b, hk, Lq, Lk, SINK_TILES, DIAG_TILES = scalars
+    l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
+                                                         TILE, IS_CAUSAL, ONE_CLASS)
+    v_count = _produce_class(k_lo_desc, v_desc, k_lo_ring, v_ring, k_lo_ready, k_lo_empty, v_ready, v_empty,
+                             b, hk, l0s, l0e, l1s, l1e, _runtime_zero(), PV_FP8, BLOCK_N, STAGES)
+    if not ONE_CLASS:
+        _produce_class(k_hi_desc, v_desc, k_hi_ring, v_ring, k_hi_ready, k_hi_empty, v_ready, v_empty,
+                       b, hk, h0s, h0e, h1s, h1e, v_count, PV_FP8, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _take_turn(turns, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait until it is this consumer's turn to issue matmuls (PINGPONG)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(WG), (turn & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _key_scales(ks_ptr, start, valid, Lk, KIND: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Folded K's per-key powers of two for the block at `start` (ones for
+    16-bit formats). Loaded a block ahead of their use: a load's latency on
+    every block's critical path would cost as much as its matmuls."""
+    offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if KIND == 1:
+        ks = gl.load(ks_ptr + offs_n, mask=(offs_n < Lk) & valid, other=0.0)
+    else:
+        ks = gl.full([BLOCK_N], 1.0, gl.float32, gl.SliceLayout(0, s_layout))
+    return ks
+
+
+@gluon.jit
+def _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk,
+            KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LOG2: gl.constexpr,
+            s_layout: gl.constexpr, row_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One block's online-softmax step: P (fp32, scaled by 2^P_LOG2), the new
+    row max and the factor that rescales what came before."""
+    offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    qs = gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout))
+    if KIND == 1:
+        s_acc = s_acc * ks[None, :]
+    needs_mask = start + BLOCK_N > Lk
+    if IS_CAUSAL:
+        needs_mask = needs_mask | (start + BLOCK_N - 1 > row0)
+    if needs_mask:
+        s = s_acc * qs[:, None]
+        rows_s = gl.convert_layout(rows, gl.SliceLayout(1, s_layout))
+        valid = (offs_n < Lk)[None, :]
+        if IS_CAUSAL:
+            valid = valid & (offs_n[None, :] <= rows_s[:, None])
+        s = gl.where(valid, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(s, 1), row_layout))
+        # Rows with every key so far masked keep m = -inf; subtract 0 there.
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.convert_layout(m_use - P_LOG2, gl.SliceLayout(1, s_layout))[:, None])
+        alpha = gl.exp2(m_i - m_use)
+    else:
+        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(s_acc, 1), row_layout) * q_scale)
+        p = gl.exp2(s_acc * qs[:, None] - gl.convert_layout(m_new - P_LOG2, gl.SliceLayout(1, s_layout))[:, None])
+        alpha = gl.exp2(m_i - m_new)
+    return p, m_new, alpha
+
+
+@gluon.jit
+def _pv_operand(p, v_dtype: gl.constexpr, PV_FP8: gl.constexpr, o_layout: gl.constexpr):
+    if PV_FP8:
+        r = gl.convert_layout(p.to(gl.float8e4nv), gl.DotOperandLayout(0, o_layout, 4))
+    else:
+        r = gl.convert_layout(p.to(v_dtype), gl.DotOperandLayout(0, o_layout, 2))
+    return r
+
+
+@gluon.jit
+def _v_operand(v_ring, vs, PV_FP8: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    if PV_FP8:
+        r = v_ring.index(vs).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+    else:
+        r = v_ring.index(vs).reshape([BLOCK_N, HEAD_DIM])
+    return r
+
+
+@gluon.jit
+def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, k_ready, k_empty,
+                   v_ring, v_ready, v_empty, turns, ks_ptr, rows, row0, Lk, r0s, r0e, r1s, r1e,
+                   WG: gl.constexpr, KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_FP8: gl.constexpr,
+                   PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Online softmax over one precision class's key blocks, software
+    pipelined: S of block i is issued with P·V of block i - 1."""
+    P_LOG2: gl.constexpr = 8.0 if PV_FP8 else 0.0
+    row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    n0 = gl.cdiv(r0e - r0s, BLOCK_N)
+    n = n0 + gl.cdiv(r1e - r1s, BLOCK_N)
+    if n > 0:
+        zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+        start = _block_start(0, n0, r0s, r1s, BLOCK_N)
+        ks = _key_scales(ks_ptr, start, True, Lk, KIND, s_layout, BLOCK_N)
+        next_start = _block_start(1, n0, r0s, r1s, BLOCK_N)
+        ks_next = _key_scales(ks_ptr, next_start, n > 1, Lk, KIND, s_layout, BLOCK_N)
+        mbarrier.wait(k_ready.index(0), 0)
+        _take_turn(turns, turn, WG, PINGPONG)
+        s_tok = warpgroup_mma(q_smem, k_ring.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
+        _pass_turn(turns, WG, PINGPONG)
+        turn += 1
+        s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
+                                s_layout, row_layout, BLOCK_N)
+        l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)
+        acc = acc * alpha[:, None]
+        for i in range(1, n):
+            start = next_start
+            ks = ks_next
+            next_start = _block_start(i + 1, n0, r0s, r1s, BLOCK_N)
+            ks_next = _key_scales(ks_ptr, next_start, i + 1 < n, Lk, KIND, s_layout, BLOCK_N)
+            s = i % STAGES
+            vs = v_count % STAGES
+            mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+            mbarrier.wait(v_ready.index(vs), (v_count // STAGES) & 1)
+            _take_turn(turns, turn, WG, PINGPONG)
+            s_tok = warpgroup_mma(q_smem, k_ring.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(_pv_operand(p, v_ring.dtype, PV_FP8, o_layout),
+                                  _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
+            _pass_turn(turns, WG, PINGPONG)
+            turn += 1
+            s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(s), count=1)
+            p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
+                                    s_layout, row_layout, BLOCK_N)
+            l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)
+            acc = warpgroup_mma_wait(0, deps=(o_tok,))
+            mbarrier.arrive(v_empty.index(vs), count=1)
+            acc = acc * alpha[:, None]
+            v_count += 1
+        vs = v_count % STAGES
+        mbarrier.wait(v_ready.index(vs), (v_count // STAGES) & 1)
+        _take_turn(turns, turn, WG, PINGPONG)
+        o_tok = warpgroup_mma(_pv_operand(p, v_ring.dtype, PV_FP8, o_layout),
+                              _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
+        _pass_turn(turns, WG, PINGPONG)
+        turn += 1
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        mbarrier.arrive(v_empty.index(vs), count=1)
+        v_count += 1
+    return acc, m_i, l_i, v_count, turn
+
+
+@gluon.jit
+def _load_q(q_smem, Q, sq_m, sq_d, bh_offset, rows, Lq, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """One consumer's 64 query rows of a Q operand into its shared memory."""
+    r = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    x = gl.load(Q + bh_offset + r[:, None].to(gl.int64) * sq_m + d[None, :] * sq_d, mask=(r < Lq)[:, None], other=0.0)
+    q_smem.store(x)
+
+
+@gluon.jit
+def _row_scale(QS, bh_row0, rows, Lq, sm_scale, KIND: gl.constexpr):
+    if KIND == 1:
+        r = gl.load(QS + bh_row0 + rows, mask=rows < Lq, other=0.0) * sm_scale
+    else:
+        r = gl.zeros_like(rows.to(gl.float32)) + sm_scale
+    return r
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_ring, barriers, scalars,
+              TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
+              HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, PINGPONG: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr,
+              load_layout: gl.constexpr):
+    """Consumer WG's 64 query rows: their Q tiles into shared memory, both
+    precision classes, then the epilogue."""
+    k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
+    m0, b, h, hk, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale = scalars
+    Q_LO, QS_LO, KS_LO, Q_HI, QS_HI, KS_HI, VSCALE, O = ptrs
+    sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d = strides
+    q_lo_smem, q_hi_smem = q_smems
+    row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
+    b64 = b.to(gl.int64)
+    h64 = h.to(gl.int64)
+    q_row0 = (b64 * Hq + h64) * Lq
+    kv_head = b64 * Hk + hk.to(gl.int64)
+    l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
+                                                         TILE, IS_CAUSAL, ONE_CLASS)
+    q_lo = q_lo_smem.index(WG)
+    _load_q(q_lo, Q_LO, sql_m, sql_d, b64 * sql_b + h64 * sql_h, rows, Lq, HEAD_DIM, load_layout)
+    q_hi = q_hi_smem.index(WG)
+    if not ONE_CLASS:
+        _load_q(q_hi, Q_HI, sqh_m, sqh_d, b64 * sqh_b + h64 * sqh_h, rows, Lq, HEAD_DIM, load_layout)
+    fence_async_shared()
+
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([64], gl.float32, row_layout)
+    acc, m_i, l_i, v_count, turn = _consume_class(
+        acc, m_i, l_i, _runtime_zero(), _runtime_zero(), q_lo, _row_scale(QS_LO, q_row0, rows, Lq, sm_scale, LO_KIND),
+        k_lo_ring, k_lo_ready, k_lo_empty, v_ring, v_ready, v_empty, turns, KS_LO + kv_head * Lk, rows, m0 + WG * 64, Lk,
+        l0s, l0e, l1s, l1e, WG, LO_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
+        s_lo_layout, o_layout)
+    if not ONE_CLASS:
+        acc, m_i, l_i, v_count, turn = _consume_class(
+            acc, m_i, l_i, v_count, turn, q_hi, _row_scale(QS_HI, q_row0, rows, Lq, sm_scale, HI_KIND),
+            k_hi_ring, k_hi_ready, k_hi_empty, v_ring, v_ready, v_empty, turns, KS_HI + kv_head * Lk, rows, m0 + WG * 64, Lk,
+            h0s, h0e, h1s, h1e, WG, HI_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
+            s_hi_layout, o_layout)
+
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    if PV_FP8:
+        acc = acc * gl.load(VSCALE + kv_head * HEAD_DIM + d)[None, :]
+    # A row with every key masked has l = 0 and outputs zeros, as SDPA.
+    empty = l_i == 0.0
+    out = gl.where(empty[:, None], 0.0, acc / gl.where(empty, 1.0, l_i)[:, None])
+    o_ptr = O + b64 * so_b + h64 * so_h + rows[:, None].to(gl.int64) * so_m + d[None, :] * so_d
+    gl.store(o_ptr, out.to(O.dtype.element_ty), mask=(rows < Lq)[:, None])
+
+
+@gluon.jit
+def _dma_attention_gluon_kernel(
+    Q_LO, QS_LO, KS_LO, Q_HI, QS_HI, KS_HI, VSCALE, O,
+    sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d,
+    k_lo_desc, k_hi_desc, v_desc,
+    sm_scale, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES,
+    HEAD_DIM: gl.constexpr, TILE: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
+    ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    q_lo_layout: gl.constexpr, q_hi_layout: gl.constexpr,
+    s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr, load_layout: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    # Longest rows first: with causal masking the last query blocks do the most work.
+    m0 = (gl.cdiv(Lq, 128) - 1 - pid_m) * 128
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // (Hq // Hk)
+
+    q_lo_smem = gl.allocate_shared_memory(Q_LO.dtype.element_ty, [2, 64, HEAD_DIM], q_lo_layout)
+    q_hi_smem = gl.allocate_shared_memory(Q_HI.dtype.element_ty, [2, 64, HEAD_DIM], q_hi_layout)
+    k_lo_ring = gl.allocate_shared_memory(k_lo_desc.dtype, [STAGES] + k_lo_desc.block_type.shape, k_lo_desc.layout)
+    if ONE_CLASS:
+        k_hi_ring = k_lo_ring
+    else:
+        k_hi_ring = gl.allocate_shared_memory(k_hi_desc.dtype, [STAGES] + k_hi_desc.block_type.shape,
+                                              k_hi_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_lo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_lo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_hi_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_hi_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_lo_ready.index(i), count=1)
+        mbarrier.init(k_hi_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        # Both consumers release every stage.
+        mbarrier.init(k_lo_empty.index(i), count=2)
+        mbarrier.init(k_hi_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+
+    barriers = (k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns)
+    ptrs = (Q_LO, QS_LO, KS_LO, Q_HI, QS_HI, KS_HI, VSCALE, O)
+    strides = (sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d)
+    scalars = (m0, b, h, hk, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale)
+    q_smems = (q_lo_smem, q_hi_smem)
+    producer_args = (k_lo_desc, k_hi_desc, v_desc, k_lo_ring, k_hi_ring, v_ring, barriers,
+                     (m0, b, hk, Lq, Lk, SINK_TILES, DIAG_TILES),
+                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, BLOCK_N, STAGES)
+    gl.warp_specialize([
+        (_consumer, (0, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_ring, barriers, scalars,
+                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
+                     s_lo_layout, s_hi_layout, o_layout, load_layout)),
+        (_consumer, (1, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_ring, barriers, scalars,
+                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
+                     s_lo_layout, s_hi_layout, o_layout, load_layout)),
+        (_producer, producer_args),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
+                 block_n: int = 64, stages: int = 2, pingpong: bool = True) -> dict:
+    """The kernel's arguments by name. shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
+    b, hq, hk, lq, lk, d, dv = shape
+    pv_fp8 = policy.pv == "fp8"
+
+    def k_descriptor(x):
+        x, dims, strides = descriptor_geometry(x)
+        block = [1, 1, block_n, d]
+        return TensorDescriptor(x, dims, strides, block, gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x)))
+
+    k_lo = k_descriptor(qi.k_lo.values)
+    k_hi = k_lo if qi.k_hi.values is qi.k_lo.values else k_descriptor(qi.k_hi.values)
+    v, dims, strides = descriptor_geometry(qi.v, lk if pv_fp8 else None)
+    v_block = [1, 1, dv, block_n] if pv_fp8 else [1, 1, block_n, dv]
+    v_desc = TensorDescriptor(v, dims, strides, v_block, gl.NVMMASharedLayout.get_default_for(v_block, _gl_dtype(v)))
+    hi_kind, lo_kind = _kind(policy.hi, policy), _kind(policy.lo, policy)
+
+    def s_layout(kind):
+        return gl.NVMMADistributedLayout([3, 0], [4, 1], [16, block_n, 32 if kind == KIND_FP8 else 16])
+
+    def placeholder(x):
+        return x if x is not None else qi.q_lo.values
+
+    q_lo, q_hi = qi.q_lo.values, qi.q_hi.values
+    return dict(
+        Q_LO=q_lo, QS_LO=placeholder(qi.q_lo.scales), KS_LO=placeholder(qi.k_lo.scales),
+        Q_HI=q_hi, QS_HI=placeholder(qi.q_hi.scales), KS_HI=placeholder(qi.k_hi.scales),
+        VSCALE=placeholder(qi.v_scales), O=out,
+        sql_b=q_lo.stride(0), sql_h=q_lo.stride(1), sql_m=q_lo.stride(2), sql_d=q_lo.stride(3),
+        sqh_b=q_hi.stride(0), sqh_h=q_hi.stride(1), sqh_m=q_hi.stride(2), sqh_d=q_hi.stride(3),
+        so_b=out.stride(0), so_h=out.stride(1), so_m=out.stride(2), so_d=out.stride(3),
+        k_lo_desc=k_lo, k_hi_desc=k_hi, v_desc=v_desc,
+        sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
+        SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
+        HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,
+        PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), PINGPONG=pingpong, BLOCK_N=block_n, STAGES=stages,
+        q_lo_layout=gl.NVMMASharedLayout.get_default_for([64, d], _gl_dtype(q_lo)),
+        q_hi_layout=gl.NVMMASharedLayout.get_default_for([64, d], _gl_dtype(q_hi)),
+        s_lo_layout=s_layout(lo_kind), s_hi_layout=s_layout(hi_kind),
+        o_layout=gl.NVMMADistributedLayout([3, 0], [4, 1], [16, dv, 32 if pv_fp8 else 16]),
+        load_layout=gl.BlockedLayout([1, 8], [32 // (d // 8), d // 8], [4, 1], [1, 0]),
+    )
+
+
+_GL_DTYPES = {
+    torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv",
+}
+
+
+def _gl_dtype(x: torch.Tensor):
+    return getattr(gl, _GL_DTYPES[x.dtype])
+
+
+def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy,
+                         **variant) -> torch.Tensor:
+    """DMA attention on validated SDPA-style inputs (see ops.dma_attention).
+
+    variant: block_n, stages, pingpong (benchmarks and tests); raises
+    Unsupported for calls `unsupported_reason` names."""
+    reason = unsupported_reason(q, k, v, attn_mask, policy)
+    if reason is not None:
+        raise Unsupported(reason)
+    b, hq, lq, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if scale <= 0:
+        raise Unsupported(f"scale: the Gluon sm90 kernel needs a positive softmax scale, got {scale}")
+    k, v = collapse_expanded_heads(k, v)
+    shape = (b, hq, k.shape[1], lq, k.shape[2], d, v.shape[-1])
+    return gluon_attention_from_quantized(quantize_inputs(q, k, v, policy), shape, is_causal, scale, policy, **variant)
+
+
+def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
+                                   **variant) -> torch.Tensor:
+    """The attention kernel alone, on the quantization pass's output
+    (`attention_sm90.quantize_inputs`). shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
+    b, hq, _, lq, _, _, dv = shape
+    out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
+    args = _kernel_args(qi, out, shape, is_causal, scale, policy, **variant)
+    _dma_attention_gluon_kernel[(triton.cdiv(lq, BLOCK_M), b * hq)](**args, num_warps=4, maxnreg=MAXNREG)
+    return out
+
+
+def compile_sm90_gluon(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: int = 128,
+                       is_causal: bool = True, capability: int = 90, **variant):
+    """Compile the Gluon kernel for sm_90a on any machine, GPU or not (CI's
+    check of its machinery), specialised as a launch on (1, 8, 1024, head_dim)
+    queries and (1, 2, 1024, head_dim) keys and values would be. Returns
+    Triton's compiled kernel (`.asm` holds "ttgir", "ptx", "cubin")."""
+    from dma_compile.kernels.attention_sm90 import QuantizedInputs
+    from dma_compile.kernels.quantize import Operand
+    from dma_compile.kernels.target_compile import compile_for_target
+
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    b, hq, hk, length, d = 1, 8, 2, 1024, head_dim
+
+    def empty(*shape, dtype=torch_dtype):
+        return torch.empty(*shape, dtype=dtype)
+
+    def operand(fmt: str, heads: int) -> Operand:
+        if fmt == "none":
+            return Operand(empty(b, heads, length, d))
+        return Operand(empty(b, heads, length, d, dtype=torch.float8_e4m3fn),
+                       empty(b, heads, length, dtype=torch.int32), empty(b, heads, length, dtype=torch.float32))
+
+    if policy.pv == "fp8":
+        v, v_scales = empty(b, hk, d, length, dtype=torch.float8_e4m3fn), empty(b, hk, d, dtype=torch.float32)
+    else:
+        v, v_scales = empty(b, hk, length, d), None
+    qi = QuantizedInputs(operand(policy.hi, hq), operand(policy.hi, hk), operand(policy.lo, hq),
+                         operand(policy.lo, hk), v, v_scales, torch_dtype)
+    out = empty(b, hq, length, d)
+    args = _kernel_args(qi, out, (b, hq, hk, length, length, d, d), is_causal, 1.0 / math.sqrt(d), policy, **variant)
+    return compile_for_target(_dma_attention_gluon_kernel, args, capability, 4, 1,
+                              extra_options={"maxnreg": MAXNREG}, gluon=True)

@@ -1,0 +1,64 @@
+"""The Gluon Hopper kernel against the reference (GPU only: Gluon has no interpreter).
+
+The same matrix as tests/test_kernels_sm90.py at its GPU sizes, with the same
+error bounds (that file's docstring derives them): every case the Gluon
+kernel serves must match the reference; every case it does not serve must be
+refused with `Unsupported` (ops routes those to the Triton kernel). Then a
+seeded sweep of random shapes, policies and dtypes. CI checks the kernel's
+code generation without a GPU (tests/test_sm90_gluon_compile.py).
+"""
+
+import random
+
+import pytest
+import torch
+
+from dma_compile import AttentionPolicy, dma_attention
+from dma_compile.kernels import Unsupported
+from dma_compile.reference import dma_attention_reference
+from test_kernels_sm90 import CASES, HOPPER, PAPER_FOLDED, Case, assert_matches, inputs, large
+
+pytestmark = pytest.mark.gpu
+
+
+def check(case, seed, scale_up=1):
+    from dma_compile.kernels.attention_sm90_gluon import unsupported_reason
+
+    q, k, v, mask = inputs(case, "cuda", scale_up)
+    reason = unsupported_reason(q, k, v, mask, case.policy)
+    if reason is not None:
+        with pytest.raises(Unsupported):
+            dma_attention(q, k, v, attn_mask=mask, is_causal=case.causal, policy=case.policy, impl="sm90_gluon")
+        return False
+    out = dma_attention(q, k, v, attn_mask=mask, is_causal=case.causal, policy=case.policy, impl="sm90_gluon")
+    cpu = [x.cpu() if x is not None else None for x in (q, k, v, mask)]
+    ref = dma_attention_reference(*cpu, case.causal, None, case.policy)
+    assert_matches(out.cpu(), ref, cpu[2], case, f"{case.name} seed {seed}")
+    return True
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gluon_matches_reference_or_refuses(case, seed):
+    check(large(case), seed, 13)
+
+
+SWEEP_POLICIES = [
+    HOPPER, HOPPER.replace(pv="fp8"), PAPER_FOLDED, HOPPER.replace(diag_tiles=2, sink_tiles=0),
+    AttentionPolicy.preset("all_mxfp8").replace(mx_mode="folded", pv="fp8"), HOPPER.replace(tile=256),
+]
+
+
+def test_gluon_random_shape_sweep():
+    rng = random.Random(20261203)
+    served = 0
+    for i in range(120):
+        policy = rng.choice(SWEEP_POLICIES)
+        hkv = rng.choice([1, 2, 3])
+        lq, lk = rng.randint(1, 700), rng.randint(1, 700)
+        causal = rng.random() < 0.5
+        case = Case(f"sweep{i}", policy, lq, lk if not causal or rng.random() < 0.5 else lq, causal=causal,
+                    d=rng.choice([64, 128]), hq=hkv * rng.choice([1, 2, 4]), hkv=hkv, b=rng.randint(1, 3),
+                    dtype=rng.choice([torch.bfloat16, torch.bfloat16, torch.float16]))
+        torch.manual_seed(i)
+        served += check(case, i)
+    assert served == 120, "every sweep case is one the Gluon kernel serves"
