@@ -21,7 +21,7 @@ from dma_compile.reference import dma_attention_reference
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ("auto", "reference", "sm90", "sm100")
+IMPLS = ("auto", "reference", "sm90", "sm90_gluon", "sm100")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 REFERENCE_ONLY_DTYPES = (torch.float64,)
 
@@ -44,6 +44,10 @@ def _warn_fallback_once(reason: str) -> None:
 
 
 def _kernel(impl: str):
+    if impl == "sm90_gluon":
+        from dma_compile.kernels.attention_sm90_gluon import attention_sm90_gluon
+
+        return attention_sm90_gluon
     if impl == "sm90":
         from dma_compile.kernels.attention_sm90 import attention_sm90
 
