@@ -21,12 +21,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 IMPLS = ["reference", "sm90", "sm100"]
 HOPPER = AttentionPolicy.hopper().replace(tile=32)
-POLICIES = {"hopper": HOPPER, "hopper_fp8pv": HOPPER.replace(pv="fp8"),
-            "paper_folded": AttentionPolicy(tile=32, mx_mode="folded")}
+POLICIES = {"hopper": HOPPER, "paper_folded_fp8pv": AttentionPolicy(tile=32, mx_mode="folded", pv="fp8")}
 LENGTHS = (40, 29)
 
 
-def _padded_inputs(seed, hq=4, hkv=2, d=64):
+def _padded_inputs(seed, hq=2, hkv=1, d=32):
     g = torch.Generator().manual_seed(seed)
     b, length = len(LENGTHS), max(LENGTHS)
     q = torch.randn(b, hq, length, d, generator=g).to(torch.bfloat16)
@@ -75,10 +74,11 @@ def test_sequence_alone_equals_it_in_a_padded_batch(impl, policy, seed):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_pad_tokens_do_not_move_valid_logits(impl, seed):
-    """A tiny random-weight Llama (head_dim 32, GQA) through attn_implementation="dma":
-    other pad token ids leave the valid tokens' logits bit-identical."""
+    """A tiny random-weight Llama (one layer, head_dim 32, GQA) through
+    attn_implementation="dma": other pad token ids leave the valid tokens'
+    logits bit-identical."""
     dma_compile.hf.register(HOPPER, impl=impl)
-    model = causal_lm("llama", "dma", seed).to(torch.bfloat16)
+    model = causal_lm("llama", "dma", seed, num_layers=1).to(torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 97, (len(LENGTHS), max(LENGTHS)), generator=g)
     valid = torch.arange(ids.shape[1])[None, :] < torch.tensor(LENGTHS)[:, None]

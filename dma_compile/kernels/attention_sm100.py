@@ -209,6 +209,7 @@ def _attend(
         if PV_FP8 and HW_CVT:
             acc = tl.dot(_to_e4m3(p * 256.0, HW_CVT), v, acc)
         elif PV_FP8:
+            # The interpreter reads e4m3's NaN code as 480: widen through _to_f32.
             acc = tl.dot(_to_f32(_to_e4m3(p * 256.0, HW_CVT), HW_CVT), _to_f32(v, HW_CVT), acc)
         else:
             acc += _dot_input(_to_dtype(p, V.dtype.element_ty, HW_CVT), v, HW_CVT)

@@ -85,6 +85,8 @@ def _dot_nt(a, b, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _dot_acc(a, b, acc, HW_CVT: tl.constexpr):
+    """a @ b + acc in fp32; the interpreter gets fp32 copies (_to_f32: it
+    multiplies bf16 wrongly and reads e4m3's NaN code as 480)."""
     if HW_CVT:
         r = tl.dot(a, b, acc)
     else:

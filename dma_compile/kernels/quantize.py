@@ -14,8 +14,9 @@ kernel reads, in its layout (docs/semantics.md gives the math):
   fp8 MMA wants its second operand K-major, with one power-of-two scale per
   channel.
 
-K's mean over keys (smoothing) and V's per-channel amax come from a small
-reduction pass first: many programs per (batch, head), each over a chunk of
+K's mean over keys (smoothing) and V's per-channel amax, over the finite
+values of the keys that count (docs/semantics.md; `key_keep`, `key_limit`),
+come from a small reduction pass first: many programs per (batch, head), each over a chunk of
 keys, accumulating element-wise in registers (one cross-thread reduction at
 the end, not one per block of keys), then a tiny kernel that combines the
 chunks. Q, which needs no statistics, can be quantized by further programs
