@@ -52,14 +52,17 @@ def quantize_operand(x: torch.Tensor, fmt: str, policy: AttentionPolicy, input_d
     return fake_quantize(x, fmt, policy.scale_rule, folded=policy.mx_mode == "folded").to(x.dtype)
 
 
+def _mask_keeps(attn_mask: torch.Tensor) -> torch.Tensor:
+    return attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+
+
 def attended(attn_mask: torch.Tensor | None, is_causal: bool, lq: int, lk: int, device) -> torch.Tensor | None:
     """Bool broadcastable to (B, H, Lq, Lk): True where a row's softmax includes
     the key (causal, True in a boolean mask, not -inf in an additive one); None
     if every key is included."""
     keep = torch.ones(lq, lk, dtype=torch.bool, device=device).tril() if is_causal else None
     if attn_mask is not None:
-        extra = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
-        keep = extra if keep is None else keep & extra
+        keep = _mask_keeps(attn_mask) if keep is None else keep & _mask_keeps(attn_mask)
     return keep
 
 
@@ -72,7 +75,7 @@ def counted_keys(
     None when every key counts."""
     counted = None
     if attn_mask is not None:
-        m = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+        m = _mask_keeps(attn_mask)
         while m.dim() < 4:
             m = m.unsqueeze(0)
         per_head = m.expand(*m.shape[:3], lk).any(dim=2)
@@ -123,10 +126,10 @@ def _weighted_values(w: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None
         return out
     kept = (torch.ones_like(w, dtype=torch.bool) if keep is None else keep.expand(w.shape)).to(w.dtype)
     positive = kept * (w != 0).to(w.dtype)
-    ind = lambda t: t.to(w.dtype)  # noqa: E731
-    nan = torch.matmul(kept, ind(torch.isnan(x))) + torch.matmul(kept - positive, ind(torch.isinf(x)))
-    pos_inf = torch.matmul(positive, ind(x == float("inf")))
-    neg_inf = torch.matmul(positive, ind(x == float("-inf")))
+    is_nan, is_inf, pos, neg = (t.to(w.dtype) for t in (x.isnan(), x.isinf(), x == float("inf"), x == float("-inf")))
+    # Counts of the kept terms that are NaN, +Inf and -Inf in each output element.
+    nan = torch.matmul(kept, is_nan) + torch.matmul(kept - positive, is_inf)
+    pos_inf, neg_inf = torch.matmul(positive, pos), torch.matmul(positive, neg)
     bad = torch.where(pos_inf > 0, float("inf"), torch.where(neg_inf > 0, float("-inf"), 0.0)).to(w.dtype)
     bad = torch.where((nan > 0) | ((pos_inf > 0) & (neg_inf > 0)), float("nan"), bad)
     return out + bad

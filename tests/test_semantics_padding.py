@@ -78,14 +78,14 @@ def test_pad_tokens_do_not_move_valid_logits(impl, seed):
     attn_implementation="dma": other pad token ids leave the valid tokens'
     logits bit-identical."""
     dma_compile.hf.register(HOPPER, impl=impl)
-    model = causal_lm("llama", "dma", seed, num_layers=1).to(torch.bfloat16)
+    model = causal_lm("llama", "dma", seed, num_layers=1).to(DEVICE, torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 97, (len(LENGTHS), max(LENGTHS)), generator=g)
     valid = torch.arange(ids.shape[1])[None, :] < torch.tensor(LENGTHS)[:, None]
     other_ids = torch.where(valid, ids, torch.randint(0, 97, ids.shape, generator=g))
     assert not torch.equal(ids, other_ids)
     with torch.no_grad():
-        logits = model(ids, attention_mask=valid.long()).logits
-        other = model(other_ids, attention_mask=valid.long()).logits
+        logits = model(ids.to(DEVICE), attention_mask=valid.long().to(DEVICE)).logits.cpu()
+        other = model(other_ids.to(DEVICE), attention_mask=valid.long().to(DEVICE)).logits.cpu()
     assert torch.isfinite(logits[valid]).all()
     assert torch.equal(logits[valid], other[valid]), f"seed {seed}"

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.masks import CELL, classify_mask, counted_keys
+from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
 from dma_compile.kernels.quantize import (
     HW_CVT,
     INTERPRET,
@@ -54,6 +54,7 @@ from dma_compile.kernels.schedule import (
     key_range,
     precision_band,
     split_by_masking,
+    v_select_mode,
 )
 from dma_compile.policy import AttentionPolicy
 
@@ -409,7 +410,7 @@ def _launch_arguments(q, k, v_op, v_strides, v_scales, out, mask, mask_strides, 
     """The kernel's runtime arguments and constexprs by name, shared by the
     launch and `compile_sm100`. v_strides: V's (batch, head, key, channel)
     strides, whatever its memory layout; key_keep, key_limit: the keys that
-    count (`masks.counted_keys`)."""
+    count (`masks.counted_key_arguments`)."""
     hq, lq, d = q.shape[1], q.shape[2], q.shape[3]
     hk, lk = k.shape[1], k.shape[2]
     tile = policy.tile
@@ -432,8 +433,7 @@ def _launch_arguments(q, k, v_op, v_strides, v_scales, out, mask, mask_strides, 
     pv_fp8 = policy.pv == "fp8"
     keep, args["skp_b"], args["skp_h"], has_keep = key_keep_arguments(key_keep, q.shape[0], hk, lk, out)
     args["KEEP"], args["KEY_LIMIT"] = keep, lk if key_limit is None else key_limit
-    # FP8 V^T has the keys that do not count zeroed; V as given needs the select.
-    select_v = 0 if pv_fp8 or not (has_keep or args["KEY_LIMIT"] < lk) else (2 if has_keep else 1)
+    select_v = v_select_mode(has_keep, args["KEY_LIMIT"], lk, pv_fp8)
     args.update(
         qk_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
         # Clamped so that the tile products stay in int32; larger counts mean the same.
@@ -471,7 +471,7 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
     info = classify_mask(attn_mask, b, hq, lq, lk) if attn_mask is not None else None
-    key_keep, key_limit = counted_keys(info, is_causal, lq, lk, k.shape[1])
+    key_keep, key_limit = counted_key_arguments(info, is_causal, lq, lk, k.shape[1])
     stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8",
                           key_keep=key_keep, key_limit=key_limit)
     ops = _class_operands(q, k, stats.key_mean, policy)

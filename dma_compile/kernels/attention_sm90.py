@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_keys
+from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key_arguments
 from dma_compile.kernels.quantize import (
     HW_CVT,
     INTERPRET,
@@ -59,6 +59,7 @@ from dma_compile.kernels.schedule import (
     key_range,
     precision_band,
     split_by_masking,
+    v_select_mode,
 )
 from dma_compile.policy import AttentionPolicy
 
@@ -339,8 +340,8 @@ class QuantizedInputs:
     """What the quantization pass produces for one call: the (Q, K) operands of
     the high and low formats, and V, or e4m3 V^T (B, H, Dv, L_pad) with its
     per-channel scales when P·V runs in FP8; key_keep and key_limit: the
-    keys that count (`masks.counted_keys`), whose V the attention kernel
-    keeps (the FP8 V^T has the others zeroed already)."""
+    keys that count (`masks.counted_key_arguments`), whose V the attention
+    kernel keeps (the FP8 V^T has the others zeroed already)."""
 
     q_hi: Operand
     k_hi: Operand
@@ -360,7 +361,7 @@ def quantize_inputs(
     in the kernel's layouts.
 
     k and v must already have their stride-0 heads collapsed (`schedule.collapse_expanded_heads`).
-    key_keep, key_limit: the keys that count (`masks.counted_keys`; default all).
+    key_keep, key_limit: the keys that count (`masks.counted_key_arguments`; default all).
     """
     mx_formats = tuple(f for f in policy.formats if f != "none")
     q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True)
@@ -444,9 +445,8 @@ def _kernel_args(
     args.update(zip(("MASK", "sm_b", "sm_h", "sm_m", "sm_n", "SUMM", "ss_b", "ss_h", "ss_r"), mask_args))
     keep, skp_b, skp_h, has_keep = key_keep_arguments(qi.key_keep, b, hk, lk, out)
     key_limit = lk if qi.key_limit is None else qi.key_limit
-    # FP8 V^T has the keys that do not count zeroed; V as given needs the select.
-    select_v = 0 if pv_fp8 or not (has_keep or key_limit < lk) else (2 if has_keep else 1)
-    args.update(KEEP=keep, skp_b=skp_b, skp_h=skp_h, KEY_LIMIT=key_limit, SELECT_V=select_v)
+    args.update(KEEP=keep, skp_b=skp_b, skp_h=skp_h, KEY_LIMIT=key_limit,
+                SELECT_V=v_select_mode(has_keep, key_limit, lk, pv_fp8))
     args.update(
         sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk, SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         LQ_BUCKET=triton.next_power_of_2(lq), LK_BUCKET=triton.next_power_of_2(lk),
@@ -498,7 +498,7 @@ def attention_sm90(
     hk, lk = k.shape[1], k.shape[2]
     shape = (b, hq, hk, lq, lk, d, v.shape[-1])
     info = classify_mask(attn_mask, b, hq, lq, lk) if attn_mask is not None else None
-    qi = quantize_inputs(q, k, v, policy, *counted_keys(info, is_causal, lq, lk, hk))
+    qi = quantize_inputs(q, k, v, policy, *counted_key_arguments(info, is_causal, lq, lk, hk))
     return attention_from_quantized(qi, shape, attn_mask, is_causal, scale, policy, config, info)
 
 

@@ -10,14 +10,13 @@ units of `CELL`-key cells:
   (additive: all exactly 0), which the attention kernel runs without reading
   the mask.
 
-Everything else in `[ns_lo, ns_hi)` is read from the mask. The same pass
-marks, per (batch, head) of the mask, the keys that any query row attends:
-the keys that count for K's mean and V's FP8 scales (reference.counted_keys).
-The attention
+Everything else in `[ns_lo, ns_hi)` is read from the mask. The attention
 kernel combines the cells under one of its blocks, so the classification does
-not depend on its block sizes. A classification is cached against the mask
-tensor (a weak reference plus its version counter), so every layer of one
-forward pass reuses it and the mask is read once per forward.
+not depend on its block sizes. The same pass marks, per (batch, head) of the
+mask, the keys that some query row attends: those that count for K's mean and
+V's FP8 scales (reference.counted_keys). A classification is cached against
+the mask tensor (a weak reference plus its version counter), so every layer
+of one forward pass reuses it and the mask is read once per forward.
 """
 
 from __future__ import annotations
@@ -163,7 +162,7 @@ def _classify(mask: torch.Tensor, b: int, hq: int, lq: int, lk: int) -> MaskInfo
     return MaskInfo(values, is_bool, summary, strides, key_keep)
 
 
-def counted_keys(
+def counted_key_arguments(
     info: MaskInfo | None, is_causal: bool, lq: int, lk: int, hkv: int
 ) -> tuple[torch.Tensor | None, int | None]:
     """(key_keep, key_limit), the arguments of `quantize.kv_statistics` and

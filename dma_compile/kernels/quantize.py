@@ -16,10 +16,10 @@ kernel reads, in its layout (docs/semantics.md gives the math):
 
 K's mean over keys (smoothing) and V's per-channel amax, over the finite
 values of the keys that count (docs/semantics.md; `key_keep`, `key_limit`),
-come from a small reduction pass first: many programs per (batch, head), each over a chunk of
-keys, accumulating element-wise in registers (one cross-thread reduction at
-the end, not one per block of keys), then a tiny kernel that combines the
-chunks. Q, which needs no statistics, can be quantized by further programs
+come from a small reduction pass first: many programs per (batch, head),
+each over a chunk of keys, accumulating element-wise in registers (one
+cross-thread reduction at the end, not one per block of keys), then a tiny
+kernel that combines the chunks. Q, which needs no statistics, can be quantized by further programs
 of the same launch (`kv_statistics(..., alongside=plan_tokens(q, ...))`).
 The rounding is bit-identical to `dma_compile.formats` (nearest even,
 saturating, rceil/floor scale rules, E8M0 exponents clamped to [-127, 127],
@@ -700,8 +700,10 @@ def kv_statistics(
     b, h, full_length, d = k.shape
     dv = v.shape[-1]
     keep, skp_b, skp_h, has_keep = key_keep_arguments(key_keep, b, h, full_length, k)
+    if key_limit is not None and key_limit < 1:
+        raise ValueError(f"key_limit: must be at least 1, got {key_limit}")
     # Keys from key_limit on do not count: the pass stops before them.
-    length = max(1, min(full_length, key_limit)) if key_limit is not None else full_length
+    length = min(full_length, key_limit) if key_limit is not None else full_length
     block_l, chunk, n_chunks = _stats_chunking(b, h, length, d, dv, value_scale)
     dev = k.device
     ksum = torch.empty(b * h, n_chunks, d, dtype=torch.float64, device=dev) if key_mean else None
