@@ -66,9 +66,13 @@ def _classify_kernel(
             masked = (vals != 0.0) & ok
         any_attend = tl.max(tl.max(tl.reshape(attend.to(tl.int32), (CELL, NC, CELL)), axis=2), axis=0)
         any_masked = tl.max(tl.max(tl.reshape(masked.to(tl.int32), (CELL, NC, CELL)), axis=2), axis=0)
-        # Any row of this cell attends the key: max over programs (cells of rows).
+        # Any row of this cell attends the key: max over programs (cells of
+        # rows). Marks only go from 0 to 1, so a plain read first spares the
+        # atomics of keys another program has marked already (most of them).
         key_any = tl.max(attend.to(tl.int32), axis=0)
-        tl.atomic_max(KEEP + bh.to(tl.int64) * Lk + cols, key_any, mask=(cols < Lk) & (key_any > 0))
+        keep_ptrs = KEEP + bh.to(tl.int64) * Lk + cols
+        unmarked = tl.load(keep_ptrs, mask=cols < Lk, other=1) == 0
+        tl.atomic_max(keep_ptrs, key_any, mask=(cols < Lk) & (key_any > 0) & unmarked)
         idx = c0 // CELL + tl.arange(0, NC)
         nonskip = any_attend > 0
         full = nonskip & (any_masked == 0)
