@@ -300,7 +300,7 @@ class LayerScorer:
             qf = quantize_operand(q.float(), fmt, policy, q.dtype)
             kf = quantize_operand(kc, fmt, policy, k.dtype).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-            # Masked once here rather than per candidate (the reference adds 0 / -inf: the same values).
+            # Masked once here rather than per candidate (the reference selects -inf there: the same values).
             lq, lk = scores.shape[-2:]
             future = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).triu(1)
             self._scores[key] = scores.masked_fill_(future, float("-inf"))

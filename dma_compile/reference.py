@@ -52,35 +52,87 @@ def quantize_operand(x: torch.Tensor, fmt: str, policy: AttentionPolicy, input_d
     return fake_quantize(x, fmt, policy.scale_rule, folded=policy.mx_mode == "folded").to(x.dtype)
 
 
-def _mask_bias(attn_mask: torch.Tensor | None, is_causal: bool, lq: int, lk: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """Additive mask broadcastable to (B, H, Lq, Lk), -inf where masked; None if nothing is masked."""
-    bias = None
-    if is_causal:
-        keep = torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
-        bias = torch.zeros(lq, lk, dtype=dtype, device=device).masked_fill(~keep, float("-inf"))
+def _mask_keeps(attn_mask: torch.Tensor) -> torch.Tensor:
+    return attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+
+
+def attended(attn_mask: torch.Tensor | None, is_causal: bool, lq: int, lk: int, device) -> torch.Tensor | None:
+    """Bool broadcastable to (B, H, Lq, Lk): True where a row's softmax includes
+    the key (causal, True in a boolean mask, not -inf in an additive one); None
+    if every key is included."""
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=device).tril() if is_causal else None
     if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            extra = torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill(~attn_mask, float("-inf"))
-        else:
-            extra = attn_mask.to(dtype)
-        bias = extra if bias is None else bias + extra
-    return bias
+        keep = _mask_keeps(attn_mask) if keep is None else keep & _mask_keeps(attn_mask)
+    return keep
 
 
-def fp8_value_scale(v: torch.Tensor) -> torch.Tensor:
+def counted_keys(
+    attn_mask: torch.Tensor | None, is_causal: bool, b: int, hkv: int, lq: int, lk: int, device
+) -> torch.Tensor | None:
+    """Bool (B, Hkv, Lk): the keys K's mean and V's FP8 scales are taken over
+    (docs/semantics.md): those the mask keeps for at least one query row of
+    any query head reading the KV head, and with is_causal those before Lq.
+    None when every key counts."""
+    counted = None
+    if attn_mask is not None:
+        m = _mask_keeps(attn_mask)
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        per_head = m.expand(*m.shape[:3], lk).any(dim=2)
+        if per_head.shape[1] > 1:
+            per_head = per_head.reshape(per_head.shape[0], hkv, -1, lk).any(dim=2)
+        counted = per_head.expand(b, hkv, lk)
+    if is_causal and lq < lk:
+        before = (torch.arange(lk, device=device) < lq).expand(b, hkv, lk)
+        counted = before if counted is None else counted & before
+    return counted
+
+
+def _usable(x: torch.Tensor, counted: torch.Tensor | None) -> torch.Tensor:
+    """Finite elements of counted keys (x: (B, H, Lk, D), counted: (B, H, Lk) or None)."""
+    use = torch.isfinite(x)
+    return use if counted is None else use & counted[..., None]
+
+
+def fp8_value_scale(v: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
     """Per (batch, head, channel) power-of-two scale for e4m3 V: the smallest
-    with amax / scale <= 448, amax over all keys (1 for all-zero channels)."""
-    amax = v.float().abs().amax(dim=-2, keepdim=True)
+    with amax / scale <= 448, amax over the finite values of the counted keys
+    (1 for channels without a nonzero one)."""
+    amax = torch.where(_usable(v, counted), v.float().abs(), 0.0).amax(dim=-2, keepdim=True)
     exp = rceil_exponent(torch.where(amax > 0, amax, torch.full_like(amax, E4M3.max_normal)), E4M3.max_normal)
-    return torch.where(torch.isnan(amax), amax, torch.ldexp(torch.ones_like(amax), exp.float()))
+    return torch.ldexp(torch.ones_like(amax), exp.float())
 
 
-def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """K's mean over keys (dim -2, kept) for K smoothing: summed and divided in
-    float64, then rounded to float32. The float64 sum of 16-bit values is exact
-    or nearly so in any order, so the kernels' chunked sums round to the same
-    float32 mean and smoothed keys quantize identically."""
-    return k.double().mean(dim=-2, keepdim=True).float()
+def key_mean(k: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
+    """K's mean over keys (dim -2, kept) for K smoothing, per channel over the
+    finite values of the counted keys (0 where there are none): summed and
+    divided in float64, then rounded to float32. The float64 sum of 16-bit
+    values is exact or nearly so in any order, so the kernels' chunked sums
+    round to the same float32 mean and smoothed keys quantize identically."""
+    use = _usable(k, counted)
+    total = torch.where(use, k.double(), 0.0).sum(dim=-2, keepdim=True)
+    n = use.sum(dim=-2, keepdim=True)
+    return torch.where(n > 0, total / n.clamp(min=1), 0.0).float()
+
+
+def _weighted_values(w: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """w @ x where row i sums only over the keys it keeps: a non-finite x
+    reaches exactly the rows that keep its key (w is 0 elsewhere, and 0 * NaN
+    would be NaN). Kept terms follow IEEE: w * NaN and 0 * Inf are NaN, w * Inf
+    is Inf, Inf + -Inf is NaN."""
+    finite = torch.isfinite(x)
+    out = torch.matmul(w, torch.where(finite, x, 0.0))
+    if bool(finite.all()):
+        return out
+    kept = (torch.ones_like(w, dtype=torch.bool) if keep is None else keep.expand(w.shape)).to(w.dtype)
+    positive = kept * (w != 0).to(w.dtype)
+    is_nan, is_inf, pos, neg = (t.to(w.dtype) for t in (x.isnan(), x.isinf(), x == float("inf"), x == float("-inf")))
+    # Counts of the kept terms that are NaN, +Inf and -Inf in each output element.
+    nan = torch.matmul(kept, is_nan) + torch.matmul(kept - positive, is_inf)
+    pos_inf, neg_inf = torch.matmul(positive, pos), torch.matmul(positive, neg)
+    bad = torch.where(pos_inf > 0, float("inf"), torch.where(neg_inf > 0, float("-inf"), 0.0)).to(w.dtype)
+    bad = torch.where((nan > 0) | ((pos_inf > 0) & (neg_inf > 0)), float("nan"), bad)
+    return out + bad
 
 
 def dma_attention_reference(
@@ -100,9 +152,10 @@ def dma_attention_reference(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     input_dtype = q.dtype
 
+    counted = counted_keys(attn_mask, is_causal, b, hkv, lq, lk, q.device)
     kc = k.to(compute_dtype)
     if policy.smooth_k:
-        kc = kc - key_mean(k).to(compute_dtype)
+        kc = kc - key_mean(k, counted).to(compute_dtype)
     qc = q.to(compute_dtype)
 
     # Scores of each format used, then pick per tile. Quantization is per
@@ -120,9 +173,12 @@ def dma_attention_reference(
         else:
             scores = torch.where(high, scores, s)
 
-    bias = _mask_bias(attn_mask, is_causal, lq, lk, compute_dtype, q.device)
-    if bias is not None:
-        scores = scores + bias
+    # Masked scores are selected, not added: a NaN score of a masked key stays out of the row.
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        scores = scores + attn_mask.to(compute_dtype)
+    keep = attended(attn_mask, is_causal, lq, lk, q.device)
+    if keep is not None:
+        scores = torch.where(keep, scores, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     # Rows with every key masked output zeros, as SDPA does.
     row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
@@ -131,12 +187,14 @@ def dma_attention_reference(
 
     vc = v.to(compute_dtype)
     if policy.pv == "fp8":
-        v_scale = fp8_value_scale(v).to(compute_dtype)
-        v8 = round_to_element(vc / v_scale, E4M3).to(compute_dtype)
+        v_scale = fp8_value_scale(v, counted).to(compute_dtype)
+        # e4m3 has no Inf: a non-finite V element is NaN there (saturating it would hide it).
+        v8 = torch.where(torch.isfinite(vc), round_to_element(vc / v_scale, E4M3).to(compute_dtype), float("nan"))
         p8 = round_to_element(p * P_FP8_SCALE, E4M3).to(compute_dtype)
-        out = torch.matmul(p8, v8.repeat_interleave(group, dim=1)) * (v_scale.repeat_interleave(group, dim=1) / P_FP8_SCALE)
+        out = _weighted_values(p8, v8.repeat_interleave(group, dim=1), keep)
+        out = out * (v_scale.repeat_interleave(group, dim=1) / P_FP8_SCALE)
     else:
         pr = p.to(v.dtype).to(compute_dtype)
-        out = torch.matmul(pr, vc.repeat_interleave(group, dim=1))
+        out = _weighted_values(pr, vc.repeat_interleave(group, dim=1), keep)
     out = torch.where(row_sum == 0, torch.zeros_like(out), out / row_sum)
     return out.to(input_dtype)

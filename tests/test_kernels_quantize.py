@@ -129,15 +129,49 @@ def test_values_fp8(device, dtype, seed):
 @pytest.mark.parametrize("device", DEVICES)
 def test_statistics_over_several_chunks(device, seed):
     """K's mean and V's scales from one pass over both, split into chunks of keys
-    (on the CPU too: at most 64 keys per step), with a NaN in V."""
+    (on the CPU too: at most 64 keys per step), with NaN and Inf in K and V:
+    they do not move the statistics (docs/semantics.md)."""
     shape = (1, 2, 333, 32) if device == "cpu" else (2, 3, 20000, 128)
     k = (torch.randn(shape) * 3 + torch.randn(shape[-1]) * 5).to(torch.bfloat16)
     v = (torch.randn(shape) * torch.exp2(torch.randint(-8, 9, (shape[-1],)).float())).to(torch.bfloat16)
-    v[0, 1, -1, 2] = float("nan")
+    k[0, 1, 5, 3], k[0, 0, -2, 7] = float("nan"), float("inf")
+    v[0, 1, -1, 2], v[0, 0, 3, 1] = float("nan"), float("-inf")
     stats = _q().kv_statistics(k.to(device), v.to(device), key_mean=True, value_scale=True)
     assert torch.equal(stats.key_mean.cpu(), key_mean(k.cpu()).squeeze(-2)), f"seed {seed}"
     assert same(stats.value_scales.cpu(), fp8_value_scale(v).squeeze(-2)), f"seed {seed}"
-    assert torch.isnan(stats.value_scales[0, 1, 2]) and not torch.isnan(stats.value_scales[0, 1, 3])
+    others = torch.cat([k[0, 1, :5, 3], k[0, 1, 6:, 3]]).double()
+    assert stats.key_mean[0, 1, 3].item() == others.mean().float().item(), f"seed {seed}"
+    assert torch.isfinite(stats.key_mean).all() and torch.isfinite(stats.value_scales).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_statistics_count_only_kept_keys(device, seed):
+    """Keys that key_keep marks 0 or that lie past key_limit move neither K's
+    mean nor V's scales, whatever they hold, and FP8 V stores them as zeros."""
+    b, h, length, d = (2, 2, 150, 32) if device == "cpu" else (2, 4, 5000, 128)
+    k = (torch.randn(b, h, length, d) + torch.randn(d) * 3).to(torch.bfloat16)
+    v = torch.randn(b, h, length, d).to(torch.bfloat16)
+    keep = torch.rand(b, 1, length) > 0.3  # broadcast over the heads, as a key-padding mask's
+    limit = length - 17
+    counted = keep.expand(b, h, length) & (torch.arange(length) < limit)
+    stats = _q().kv_statistics(k.to(device), v.to(device), True, True, key_keep=keep.to(device), key_limit=limit)
+    assert torch.equal(stats.key_mean.cpu(), key_mean(k, counted).squeeze(-2)), f"seed {seed}"
+    assert same(stats.value_scales.cpu(), fp8_value_scale(v, counted).squeeze(-2)), f"seed {seed}"
+    assert not torch.equal(stats.key_mean.cpu(), key_mean(k).squeeze(-2))
+
+    garbage = torch.randn(b, h, length, d) * 1000
+    garbage[..., ::3, 1] = float("nan")
+    k2 = torch.where(counted[..., None], k, garbage.to(k.dtype)).to(device)
+    v2 = torch.where(counted[..., None], v, garbage.to(v.dtype)).to(device)
+    stats2 = _q().kv_statistics(k2, v2, True, True, key_keep=keep.to(device), key_limit=limit)
+    assert torch.equal(stats2.key_mean, stats.key_mean) and torch.equal(stats2.value_scales, stats.value_scales)
+    vt = _q().quantize_values_fp8(v.to(device), stats.value_exponents, keep.to(device), limit).cpu()
+    vt2 = _q().quantize_values_fp8(v2, stats2.value_exponents, keep.to(device), limit).cpu()
+    assert torch.equal(vt.view(torch.uint8)[..., :length], vt2.view(torch.uint8)[..., :length]), f"seed {seed}"
+    stored = vt[..., :length].transpose(-1, -2).float()
+    assert torch.equal(stored[~counted], torch.zeros_like(stored[~counted]))
+    expected = formats.round_to_element(v.float() / fp8_value_scale(v, counted), formats.E4M3)
+    assert torch.equal(stored[counted], expected[counted]), f"seed {seed}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -39,7 +39,7 @@ from dma_compile.kernels import Unsupported
 from dma_compile.kernels.attention_sm100 import attention_sm100
 from dma_compile.kernels.quantize import kv_statistics
 from dma_compile.kernels.quantize_mx import quantize_payloads
-from dma_compile.reference import dma_attention_reference
+from dma_compile.reference import counted_keys, dma_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL = 1e-5
@@ -69,7 +69,8 @@ def _reference(q, k, v, mask, causal, scale, policy):
         return dma_attention_reference(q, k, v, mask, causal, scale, policy)
     # The "none" class would round the smoothed K to K's dtype: exact only for fp32.
     assert "none" not in policy.formats or k.dtype == torch.float32
-    mean = kv_statistics(k, v, key_mean=True, value_scale=False).key_mean
+    counted = counted_keys(mask, causal, k.shape[0], k.shape[1], q.shape[2], k.shape[2], k.device)
+    mean = kv_statistics(k, v, key_mean=True, value_scale=False, key_keep=counted).key_mean
     smoothed = k.float() - mean[:, :, None]
     return dma_attention_reference(q, smoothed, v, mask, causal, scale, policy.replace(smooth_k=False))
 

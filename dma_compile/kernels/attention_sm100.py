@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.masks import CELL, classify_mask
+from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
 from dma_compile.kernels.quantize import (
     HW_CVT,
     INTERPRET,
@@ -40,6 +40,7 @@ from dma_compile.kernels.quantize import (
     _to_dtype,
     _to_e4m3,
     _to_f32,
+    key_keep_arguments,
     kv_statistics,
     quantize_tokens,
     quantize_values_fp8,
@@ -49,9 +50,11 @@ from dma_compile.kernels.schedule import (
     block_counts,
     block_start,
     collapse_expanded_heads,
+    counted_v,
     key_range,
     precision_band,
     split_by_masking,
+    v_select_mode,
 )
 from dma_compile.policy import AttentionPolicy
 
@@ -152,13 +155,17 @@ def _qk(q, qs, K, KS, s_l, offs_n, key_ok, zero,
 @triton.jit
 def _attend(
     acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale,
-    K, KS, sk_l, V, sv_l, sv_d, MASK, sm_q, sm_k, Lk,
+    K, KS, sk_l, V, sv_l, sv_d, MASK, sm_q, sm_k, KEEP, KEY_LIMIT, Lk,
     r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e,
     BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PV_FP8: tl.constexpr,
-    RUNTIME_ZERO_ACC: tl.constexpr, HW_CVT: tl.constexpr,
+    SELECT_V: tl.constexpr, RUNTIME_ZERO_ACC: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """Online softmax and P·V over the key blocks of up to four [start, end) ranges of one class."""
+    """Online softmax and P·V over the key blocks of up to four [start, end) ranges of one class.
+
+    Masked scores are selected to -inf (a NaN score of a masked key stays out
+    of the row); with SELECT_V the masking loop also selects zeros for the V
+    of keys no row attends (as attention_sm90._attend)."""
     dv = tl.arange(0, DV)
     arange_n = tl.arange(0, BLOCK_N)
     n0, n1, n2, n3 = block_counts(r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e, BLOCK_N)
@@ -179,7 +186,9 @@ def _attend(
                 if MASK_KIND == 1:
                     keep = keep & (tl.load(m_ptrs, mask=m_ok, other=0) != 0)
                 else:
-                    s = s + _to_f32(tl.load(m_ptrs, mask=m_ok, other=0.0), HW_CVT) * 1.4426950408889634
+                    bias = _to_f32(tl.load(m_ptrs, mask=m_ok, other=0.0), HW_CVT)
+                    keep = keep & (bias != float("-inf"))
+                    s = s + bias * 1.4426950408889634
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with nothing attended so far keeps max -inf: subtract 0 there (p = 0).
@@ -194,10 +203,15 @@ def _attend(
         v_ptrs = V + offs_n[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d
         if MASKED:
             v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+            if SELECT_V:
+                v = tl.where(counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, SELECT_V == 2)[:, None], v, 0.0)
         else:
             v = tl.load(v_ptrs)
-        if PV_FP8:
+        if PV_FP8 and HW_CVT:
             acc = tl.dot(_to_e4m3(p * 256.0, HW_CVT), v, acc)
+        elif PV_FP8:
+            # The interpreter reads e4m3's NaN code as 480: widen through _to_f32.
+            acc = tl.dot(_to_f32(_to_e4m3(p * 256.0, HW_CVT), HW_CVT), _to_f32(v, HW_CVT), acc)
         else:
             acc += _dot_input(_to_dtype(p, V.dtype.element_ty, HW_CVT), v, HW_CVT)
         m_i = m_new
@@ -214,10 +228,12 @@ def _dma_attention_sm100_kernel(
     O, so_b, so_h, so_l,
     MASK, sm_b, sm_h, sm_q, sm_k,
     SUMM, ss_b, ss_h, ss_r,
+    KEEP, skp_b, skp_h, KEY_LIMIT,
     qk_scale, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES,
     TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     HI_KIND: tl.constexpr, HI_FMT: tl.constexpr, LO_KIND: tl.constexpr, LO_FMT: tl.constexpr,
     ONE_CLASS: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, PV_FP8: tl.constexpr,
+    SELECT_V: tl.constexpr,
     CELL: tl.constexpr, RUNTIME_ZERO_ACC: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     tl.static_assert(TILE % BLOCK_M == 0)
@@ -244,6 +260,7 @@ def _dma_attention_sm100_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     v_base = V + b64 * sv_b + hk64 * sv_h
     mask_base = MASK + b64 * sm_b + h64 * sm_h
+    keep_base = KEEP + b64 * skp_b + hk64 * skp_h
     # MX scales (D // 32 per token) and folded exponents (one per token) are contiguous.
     LO_SW: tl.constexpr = D // 32 if LO_KIND == 1 else 1
     HI_SW: tl.constexpr = D // 32 if HI_KIND == 1 else 1
@@ -260,12 +277,12 @@ def _dma_attention_sm100_kernel(
     ks_base = KLS + k_tokens * LO_SW
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skl_l, v_base, sv_l, sv_d,
-        mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
-        BLOCK_N, D, DV, LO_KIND, LO_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
+        mask_base, sm_q, sm_k, keep_base, KEY_LIMIT, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
+        BLOCK_N, D, DV, LO_KIND, LO_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, SELECT_V, RUNTIME_ZERO_ACC, HW_CVT)
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skl_l, v_base, sv_l, sv_d,
-        mask_base, sm_q, sm_k, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
-        BLOCK_N, D, DV, LO_KIND, LO_FMT, True, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
+        mask_base, sm_q, sm_k, keep_base, KEY_LIMIT, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
+        BLOCK_N, D, DV, LO_KIND, LO_FMT, True, IS_CAUSAL, MASK_KIND, PV_FP8, SELECT_V, RUNTIME_ZERO_ACC, HW_CVT)
 
     if not ONE_CLASS:
         # High format: [0, sink_end) and [band_s, band_e).
@@ -278,12 +295,12 @@ def _dma_attention_sm100_kernel(
         ks_base = KHS + k_tokens * HI_SW
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skh_l, v_base, sv_l, sv_d,
-            mask_base, sm_q, sm_k, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
-            BLOCK_N, D, DV, HI_KIND, HI_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
+            mask_base, sm_q, sm_k, keep_base, KEY_LIMIT, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
+            BLOCK_N, D, DV, HI_KIND, HI_FMT, False, IS_CAUSAL, MASK_KIND, PV_FP8, SELECT_V, RUNTIME_ZERO_ACC, HW_CVT)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, qs, offs_m, row_ok, qk_scale, k_base, ks_base, skh_l, v_base, sv_l, sv_d,
-            mask_base, sm_q, sm_k, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
-            BLOCK_N, D, DV, HI_KIND, HI_FMT, True, IS_CAUSAL, MASK_KIND, PV_FP8, RUNTIME_ZERO_ACC, HW_CVT)
+            mask_base, sm_q, sm_k, keep_base, KEY_LIMIT, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
+            BLOCK_N, D, DV, HI_KIND, HI_FMT, True, IS_CAUSAL, MASK_KIND, PV_FP8, SELECT_V, RUNTIME_ZERO_ACC, HW_CVT)
 
     dv = tl.arange(0, DV)
     if PV_FP8:
@@ -389,10 +406,11 @@ def _interpreter_has_dot_scaled() -> bool:
 
 def _launch_arguments(q, k, v_op, v_strides, v_scales, out, mask, mask_strides, summary, summary_strides,
                       mask_kind, ops_hi: _ClassOperands, ops_lo: _ClassOperands, is_causal, scale,
-                      policy: AttentionPolicy, block_m, block_n) -> tuple[dict, dict]:
+                      policy: AttentionPolicy, block_m, block_n, key_keep=None, key_limit=None) -> tuple[dict, dict]:
     """The kernel's runtime arguments and constexprs by name, shared by the
     launch and `compile_sm100`. v_strides: V's (batch, head, key, channel)
-    strides, whatever its memory layout."""
+    strides, whatever its memory layout; key_keep, key_limit: the keys that
+    count (`masks.counted_key_arguments`)."""
     hq, lq, d = q.shape[1], q.shape[2], q.shape[3]
     hk, lk = k.shape[1], k.shape[2]
     tile = policy.tile
@@ -412,6 +430,10 @@ def _launch_arguments(q, k, v_op, v_strides, v_scales, out, mask, mask_strides, 
     args["sm_b"], args["sm_h"], args["sm_q"], args["sm_k"] = mask_strides
     args["SUMM"] = summary
     args["ss_b"], args["ss_h"], args["ss_r"] = summary_strides
+    pv_fp8 = policy.pv == "fp8"
+    keep, args["skp_b"], args["skp_h"], has_keep = key_keep_arguments(key_keep, q.shape[0], hk, lk, out)
+    args["KEEP"], args["KEY_LIMIT"] = keep, lk if key_limit is None else key_limit
+    select_v = v_select_mode(has_keep, args["KEY_LIMIT"], lk, pv_fp8)
     args.update(
         qk_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
         # Clamped so that the tile products stay in int32; larger counts mean the same.
@@ -422,7 +444,7 @@ def _launch_arguments(q, k, v_op, v_strides, v_scales, out, mask, mask_strides, 
         TILE=tile, BLOCK_M=block_m, BLOCK_N=block_n, D=d, DV=out.shape[-1],
         HI_KIND=ops_hi.kind, HI_FMT=ops_hi.fmt, LO_KIND=ops_lo.kind, LO_FMT=ops_lo.fmt,
         ONE_CLASS=policy.hi == policy.lo, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind,
-        PV_FP8=policy.pv == "fp8", CELL=CELL, RUNTIME_ZERO_ACC=RUNTIME_ZERO_ACC, HW_CVT=HW_CVT,
+        PV_FP8=pv_fp8, SELECT_V=select_v, CELL=CELL, RUNTIME_ZERO_ACC=RUNTIME_ZERO_ACC, HW_CVT=HW_CVT,
     )
     return args, constexprs
 
@@ -448,26 +470,28 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
             )
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
-    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8")
+    info = classify_mask(attn_mask, b, hq, lq, lk) if attn_mask is not None else None
+    key_keep, key_limit = counted_key_arguments(info, is_causal, lq, lk, k.shape[1])
+    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8",
+                          key_keep=key_keep, key_limit=key_limit)
     ops = _class_operands(q, k, stats.key_mean, policy)
     if policy.pv == "fp8":
-        v_op = quantize_values_fp8(v, stats.value_exponents)
+        v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)
         # Stored (B, H, Dv, L_pad): the keys are the contiguous dimension.
         v_strides = (v_op.stride(0), v_op.stride(1), v_op.stride(3), v_op.stride(2))
         v_scales = stats.value_scales
     else:
         v_op, v_strides, v_scales = v, v.stride(), v
     out = torch.empty(b, hq, lq, dv, dtype=q.dtype, device=q.device)
-    if attn_mask is None:
+    if info is None:
         mask_kind, mask, mask_strides, summary, summary_strides = MASK_NONE, out, (0,) * 4, out, (0,) * 3
     else:
-        info = classify_mask(attn_mask, b, hq, lq, lk)
         mask_kind = MASK_BOOL if info.is_bool else MASK_ADDITIVE
         mask, mask_strides = info.values, info.values.stride()
         summary, summary_strides = info.summary, info.summary_strides
     args, constexprs = _launch_arguments(
         q, k, v_op, v_strides, v_scales, out, mask, mask_strides, summary, summary_strides, mask_kind,
-        ops[policy.hi], ops[policy.lo], is_causal, scale, policy, block_m, block_n)
+        ops[policy.hi], ops[policy.lo], is_causal, scale, policy, block_m, block_n, key_keep, key_limit)
     grid = (triton.cdiv(lq, block_m), b * hq)
     _dma_attention_sm100_kernel[grid](**args, **constexprs, num_warps=_num_warps(block_m), num_stages=2)
     return out

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.masks import CELL, classify_mask
+from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key_arguments
 from dma_compile.kernels.quantize import (
     HW_CVT,
     INTERPRET,
@@ -44,6 +44,7 @@ from dma_compile.kernels.quantize import (
     _to_dtype,
     _to_f32,
     _to_e4m3,
+    key_keep_arguments,
     kv_statistics,
     plan_tokens,
     quantize_tokens,
@@ -53,10 +54,12 @@ from dma_compile.kernels.schedule import (
     block_counts,
     block_start,
     collapse_expanded_heads,
+    counted_v,
     intersect,
     key_range,
     precision_band,
     split_by_masking,
+    v_select_mode,
 )
 from dma_compile.policy import AttentionPolicy
 
@@ -83,6 +86,8 @@ def _dot_nt(a, b, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _dot_acc(a, b, acc, HW_CVT: tl.constexpr):
+    """a @ b + acc in fp32; the interpreter gets fp32 copies (_to_f32: it
+    multiplies bf16 wrongly and reads e4m3's NaN code as 480)."""
     if HW_CVT:
         r = tl.dot(a, b, acc)
     else:
@@ -103,12 +108,12 @@ def _row_scales(QS, rows, row_ok, sm_scale, KIND: tl.constexpr, BLOCK_M: tl.cons
 @triton.jit
 def _attend(
     acc, l_i, m_i, q, q_scale,
-    K, KS, V, b, hk, MASK, sm_m, sm_n,
+    K, KS, V, b, hk, MASK, sm_m, sm_n, KEEP, KEY_LIMIT,
     offs_m, Lq, Lk,
     r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e,
     KIND: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-    PV_FP8: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    HW_CVT: tl.constexpr,
+    PV_FP8: tl.constexpr, SELECT_V: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """Online-softmax update over the key blocks of up to four [start, end) key ranges.
 
@@ -117,7 +122,11 @@ def _attend(
     powers of two as float32, so the loop multiplies without converting.
     With FP8 P·V, P is kept scaled by 256 throughout (exp2 of the score minus
     m - 8): e4m3(P * 256) then needs no multiply, and l carries the same
-    factor, which the final division cancels."""
+    factor, which the final division cancels. Masked scores are selected to
+    -inf (a NaN score of a masked key stays out of the row); with SELECT_V,
+    the masking loops also select zeros for the V of keys no row attends
+    (`counted_v`; 1: keys from KEY_LIMIT on, 2: also those KEEP marks 0),
+    whose content would otherwise reach the rows through 0 * NaN."""
     P_LOG2: tl.constexpr = 8.0 if PV_FP8 else 0.0
     arange_n = tl.arange(0, BLOCK_N)
     n0c, n1c, n2c, n3c = block_counts(r0s, r0e, r1s, r1e, r2s, r2e, r3s, r3e, BLOCK_N)
@@ -145,7 +154,9 @@ def _attend(
                 if MASK_KIND == 1:
                     valid = valid & (tl.load(mptr, mask=mok, other=0) != 0)
                 else:
-                    s = s + _to_f32(tl.load(mptr, mask=mok, other=0.0), HW_CVT) * 1.4426950408889634
+                    bias = _to_f32(tl.load(mptr, mask=mok, other=0.0), HW_CVT)
+                    valid = valid & (bias != float("-inf"))
+                    s = s + bias * 1.4426950408889634
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # Rows with every key so far masked keep m = -inf; subtract 0 there.
@@ -160,9 +171,11 @@ def _attend(
         acc = acc * alpha[:, None]
         if PV_FP8:
             vt = V.load([b, hk, 0, start]).reshape(HEAD_DIM_V, BLOCK_N)
-            acc = tl.dot(_to_e4m3(p, HW_CVT), tl.trans(vt), acc)
+            acc = _dot_acc(_to_e4m3(p, HW_CVT), tl.trans(vt), acc, HW_CVT)
         else:
             v = V.load([b, hk, start, 0]).reshape(BLOCK_N, HEAD_DIM_V)
+            if SELECT_V and MASKED:
+                v = tl.where(counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, SELECT_V == 2)[:, None], v, 0.0)
             acc = _dot_acc(_to_dtype(p, V.dtype, HW_CVT), v, acc, HW_CVT)
         m_i = m_new
     return acc, l_i, m_i
@@ -176,11 +189,13 @@ def _dma_attention_kernel(
     O, so_b, so_h, so_m, so_d,
     MASK, sm_b, sm_h, sm_m, sm_n,
     SUMM, ss_b, ss_h, ss_r,
+    KEEP, skp_b, skp_h, KEY_LIMIT,
     sm_scale, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES,
     LQ_BUCKET, LK_BUCKET,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE: tl.constexpr,
     HI_KIND: tl.constexpr, LO_KIND: tl.constexpr, ONE_CLASS: tl.constexpr,
-    PV_FP8: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, CELL: tl.constexpr,
+    PV_FP8: tl.constexpr, SELECT_V: tl.constexpr, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    CELL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     tl.static_assert(TILE % BLOCK_M == 0)
@@ -206,6 +221,7 @@ def _dma_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     mask_base = MASK + b64 * sm_b + h.to(tl.int64) * sm_h
+    keep_base = KEEP + b64 * skp_b + hk.to(tl.int64) * skp_h
 
     # Low format: [sink_end, band_s) and [band_e, kv_end).
     a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1 = split_by_masking(
@@ -216,13 +232,13 @@ def _dma_attention_kernel(
     q_scale = _row_scales(QS_LO + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, LO_KIND, BLOCK_M)
     ks_base = KS_LO + (b64 * Hk + hk) * Lk
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_scale, K_LO, ks_base, V, b, hk, mask_base, sm_m, sm_n,
+        acc, l_i, m_i, q, q_scale, K_LO, ks_base, V, b, hk, mask_base, sm_m, sm_n, keep_base, KEY_LIMIT,
         offs_m, Lq, Lk, a0, a1, b0, b1, 0, 0, 0, 0,
-        LO_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
+        LO_KIND, False, IS_CAUSAL, MASK_KIND, PV_FP8, SELECT_V, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_scale, K_LO, ks_base, V, b, hk, mask_base, sm_m, sm_n,
+        acc, l_i, m_i, q, q_scale, K_LO, ks_base, V, b, hk, mask_base, sm_m, sm_n, keep_base, KEY_LIMIT,
         offs_m, Lq, Lk, c0, c1, d0, d1, e0, e1, f0, f1,
-        LO_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
+        LO_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, SELECT_V, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
 
     if not ONE_CLASS:
         # High format: [0, sink_end) and [band_s, band_e).
@@ -233,9 +249,9 @@ def _dma_attention_kernel(
         q_scale = _row_scales(QS_HI + pid_bh.to(tl.int64) * Lq, offs_m, row_ok, sm_scale, HI_KIND, BLOCK_M)
         ks_base = KS_HI + (b64 * Hk + hk) * Lk
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_scale, K_HI, ks_base, V, b, hk, mask_base, sm_m, sm_n,
+            acc, l_i, m_i, q, q_scale, K_HI, ks_base, V, b, hk, mask_base, sm_m, sm_n, keep_base, KEY_LIMIT,
             offs_m, Lq, Lk, r0s, r0e, r1s, r1e, 0, 0, 0, 0,
-            HI_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
+            HI_KIND, True, IS_CAUSAL, MASK_KIND, PV_FP8, SELECT_V, BLOCK_N, HEAD_DIM, HEAD_DIM_V, HW_CVT)
 
     offs_dv = tl.arange(0, HEAD_DIM_V)
     if PV_FP8:
@@ -323,7 +339,9 @@ def _check(q, v, scale, policy: AttentionPolicy) -> None:
 class QuantizedInputs:
     """What the quantization pass produces for one call: the (Q, K) operands of
     the high and low formats, and V, or e4m3 V^T (B, H, Dv, L_pad) with its
-    per-channel scales when P·V runs in FP8."""
+    per-channel scales when P·V runs in FP8; key_keep and key_limit: the
+    keys that count (`masks.counted_key_arguments`), whose V the attention
+    kernel keeps (the FP8 V^T has the others zeroed already)."""
 
     q_hi: Operand
     k_hi: Operand
@@ -332,18 +350,24 @@ class QuantizedInputs:
     v: torch.Tensor
     v_scales: torch.Tensor | None
     out_dtype: torch.dtype
+    key_keep: torch.Tensor | None = None
+    key_limit: int | None = None
 
 
-def quantize_inputs(q, k, v, policy: AttentionPolicy) -> QuantizedInputs:
+def quantize_inputs(
+    q, k, v, policy: AttentionPolicy, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
+) -> QuantizedInputs:
     """The quantization pass: K's (and V's) statistics and Q, then K (and V),
     in the kernel's layouts.
 
     k and v must already have their stride-0 heads collapsed (`schedule.collapse_expanded_heads`).
+    key_keep, key_limit: the keys that count (`masks.counted_key_arguments`; default all).
     """
     mx_formats = tuple(f for f in policy.formats if f != "none")
     q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True)
     # Q needs no statistics, so it can share their launch (see kv_statistics).
-    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8", alongside=q_plan)
+    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8", alongside=q_plan,
+                          key_keep=key_keep, key_limit=key_limit)
     smoothed_none = "none" in policy.formats and stats.key_mean is not None
     k_ops = quantize_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
                             write_none=smoothed_none, pow2_scales=True)
@@ -351,9 +375,9 @@ def quantize_inputs(q, k, v, policy: AttentionPolicy) -> QuantizedInputs:
     k_ops.setdefault("none", Operand(k))
     q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]
     if policy.pv == "fp8":
-        return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, quantize_values_fp8(v, stats.value_exponents),
-                               stats.value_scales, q.dtype)
-    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v, None, q.dtype)
+        v8 = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)
+        return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v8, stats.value_scales, q.dtype, key_keep, key_limit)
+    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v, None, q.dtype, key_keep, key_limit)
 
 
 def _copyable(x: torch.Tensor) -> torch.Tensor:
@@ -389,11 +413,13 @@ def _descriptor(x: torch.Tensor, logical_len: int | None = None) -> TensorDescri
     return TensorDescriptor(*descriptor_geometry(x, logical_len), [1, 1, 16, 16])
 
 
-def _mask_arguments(attn_mask, b: int, hq: int, lq: int, lk: int, placeholder: torch.Tensor):
-    """(MASK_KIND, the kernel's nine mask arguments) for an explicit mask or None."""
+def _mask_arguments(attn_mask, b: int, hq: int, lq: int, lk: int, placeholder: torch.Tensor,
+                    info: MaskInfo | None = None):
+    """(MASK_KIND, the kernel's nine mask arguments) for an explicit mask or
+    None; info: the mask's classification, if already at hand."""
     if attn_mask is None:
         return MASK_NONE, (placeholder, 0, 0, 0, 0, placeholder, 0, 0, 0)
-    info = classify_mask(attn_mask, b, hq, lq, lk)
+    info = info if info is not None else classify_mask(attn_mask, b, hq, lq, lk)
     return (MASK_BOOL if info.is_bool else MASK_ADD,
             (info.values, *info.values.stride(), info.summary, *info.summary_strides))
 
@@ -424,6 +450,10 @@ def _kernel_args(
         so_b=out.stride(0), so_h=out.stride(1), so_m=out.stride(2), so_d=out.stride(3),
     )
     args.update(zip(("MASK", "sm_b", "sm_h", "sm_m", "sm_n", "SUMM", "ss_b", "ss_h", "ss_r"), mask_args))
+    keep, skp_b, skp_h, has_keep = key_keep_arguments(qi.key_keep, b, hk, lk, out)
+    key_limit = lk if qi.key_limit is None else qi.key_limit
+    args.update(KEEP=keep, skp_b=skp_b, skp_h=skp_h, KEY_LIMIT=key_limit,
+                SELECT_V=v_select_mode(has_keep, key_limit, lk, pv_fp8))
     args.update(
         sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk, SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         LQ_BUCKET=triton.next_power_of_2(lq), LK_BUCKET=triton.next_power_of_2(lk),
@@ -436,12 +466,13 @@ def _kernel_args(
 
 def attention_from_quantized(
     qi: QuantizedInputs, shape: tuple[int, int, int, int, int, int, int], attn_mask, is_causal: bool, scale: float,
-    policy: AttentionPolicy, config: triton.Config | None = None,
+    policy: AttentionPolicy, config: triton.Config | None = None, mask_info: MaskInfo | None = None,
 ) -> torch.Tensor:
-    """The attention kernel alone. shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
+    """The attention kernel alone. shape: (B, Hq, Hkv, Lq, Lk, D, Dv);
+    mask_info: attn_mask's classification, if already at hand."""
     b, hq, hk, lq, lk, d, dv = shape
     out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
-    mask_kind, mask_args = _mask_arguments(attn_mask, b, hq, lq, lk, qi.q_lo.values)
+    mask_kind, mask_args = _mask_arguments(attn_mask, b, hq, lq, lk, qi.q_lo.values, mask_info)
     args = _kernel_args(qi, out, shape, mask_kind, mask_args, is_causal, scale, policy)
     if INTERPRET:
         args.update(_INTERPRET_META)
@@ -471,8 +502,11 @@ def attention_sm90(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     _check(q, v, scale, policy)
     k, v = collapse_expanded_heads(k, v)
-    shape = (b, hq, k.shape[1], lq, k.shape[2], d, v.shape[-1])
-    return attention_from_quantized(quantize_inputs(q, k, v, policy), shape, attn_mask, is_causal, scale, policy, config)
+    hk, lk = k.shape[1], k.shape[2]
+    shape = (b, hq, hk, lq, lk, d, v.shape[-1])
+    info = classify_mask(attn_mask, b, hq, lq, lk) if attn_mask is not None else None
+    qi = quantize_inputs(q, k, v, policy, *counted_key_arguments(info, is_causal, lq, lk, hk))
+    return attention_from_quantized(qi, shape, attn_mask, is_causal, scale, policy, config, info)
 
 
 def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: int = 128, is_causal: bool = False,

@@ -12,9 +12,11 @@ units of `CELL`-key cells:
 
 Everything else in `[ns_lo, ns_hi)` is read from the mask. The attention
 kernel combines the cells under one of its blocks, so the classification does
-not depend on its block sizes. A classification is cached against the mask
-tensor (a weak reference plus its version counter), so every layer of one
-forward pass reuses it and the mask is read once per forward.
+not depend on its block sizes. The same pass marks, per (batch, head) of the
+mask, the keys that some query row attends: those that count for K's mean and
+V's FP8 scales (reference.counted_keys). A classification is cached against
+the mask tensor (a weak reference plus its version counter), so every layer
+of one forward pass reuses it and the mask is read once per forward.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ _CHUNK = 256
 
 @triton.jit
 def _classify_kernel(
-    M, sm_b, sm_h, sm_q, sm_k, OUT, MH, N_ROWS, Lq, Lk, N_KCELLS,
+    M, sm_b, sm_h, sm_q, sm_k, OUT, KEEP, MH, N_ROWS, Lq, Lk, N_KCELLS,
     CELL: tl.constexpr, CHUNK: tl.constexpr, IS_BOOL: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     rc = tl.program_id(0)
@@ -64,6 +66,13 @@ def _classify_kernel(
             masked = (vals != 0.0) & ok
         any_attend = tl.max(tl.max(tl.reshape(attend.to(tl.int32), (CELL, NC, CELL)), axis=2), axis=0)
         any_masked = tl.max(tl.max(tl.reshape(masked.to(tl.int32), (CELL, NC, CELL)), axis=2), axis=0)
+        # Any row of this cell attends the key: max over programs (cells of
+        # rows). Marks only go from 0 to 1, so a plain read first spares the
+        # atomics of keys another program has marked already (most of them).
+        key_any = tl.max(attend.to(tl.int32), axis=0)
+        keep_ptrs = KEEP + bh.to(tl.int64) * Lk + cols
+        unmarked = tl.load(keep_ptrs, mask=cols < Lk, other=1) == 0
+        tl.atomic_max(keep_ptrs, key_any, mask=(cols < Lk) & (key_any > 0) & unmarked)
         idx = c0 // CELL + tl.arange(0, NC)
         nonskip = any_attend > 0
         full = nonskip & (any_masked == 0)
@@ -86,13 +95,23 @@ class MaskInfo:
     values: the mask expanded to (B, Hq, Lq, Lk) as a view (stride 0 on the
     broadcast dimensions; bool viewed as uint8); summary: (mB, mH, n_rows, 4)
     int32 [ns_lo, ns_hi, f_lo, f_hi] per row cell; summary_strides: its
-    (batch, head, row) strides with 0 where the mask broadcasts.
+    (batch, head, row) strides with 0 where the mask broadcasts; key_keep:
+    (mB, mH, Lk) int32, 1 where some query row attends the key.
     """
 
     values: torch.Tensor
     is_bool: bool
     summary: torch.Tensor
     summary_strides: tuple[int, int, int]
+    key_keep: torch.Tensor
+
+    def kept_keys(self, hkv: int) -> torch.Tensor:
+        """(mB, 1 or hkv, Lk) int32: 1 where a query row of any query head
+        reading the KV head attends the key (mB, mH broadcast as the mask)."""
+        mb, mh, lk = self.key_keep.shape
+        if mh == 1:
+            return self.key_keep
+        return self.key_keep.reshape(mb, hkv, mh // hkv, lk).amax(dim=2)
 
 
 @dataclass
@@ -131,8 +150,9 @@ def _classify(mask: torch.Tensor, b: int, hq: int, lq: int, lk: int) -> MaskInfo
     if is_bool:
         distinct = distinct.view(torch.uint8)
     summary = torch.empty(mb, mh, n_rows, 4, dtype=torch.int32, device=mask.device)
+    key_keep = torch.zeros(mb, mh, lk, dtype=torch.int32, device=mask.device)
     _classify_kernel[(n_rows, mb * mh)](
-        distinct, *distinct.stride(), summary, mh, n_rows, lq if n_rows > 1 else 1, lk, triton.cdiv(lk, CELL),
+        distinct, *distinct.stride(), summary, key_keep, mh, n_rows, lq if n_rows > 1 else 1, lk, triton.cdiv(lk, CELL),
         CELL=CELL, CHUNK=_CHUNK, IS_BOOL=is_bool, HW_CVT=HW_CVT, num_warps=4,
     )
     values = m.expand(b, hq, lq, lk)
@@ -143,7 +163,18 @@ def _classify(mask: torch.Tensor, b: int, hq: int, lq: int, lk: int) -> MaskInfo
         summary.stride(1) if mh > 1 else 0,
         summary.stride(2) if n_rows > 1 else 0,
     )
-    return MaskInfo(values, is_bool, summary, strides)
+    return MaskInfo(values, is_bool, summary, strides, key_keep)
+
+
+def counted_key_arguments(
+    info: MaskInfo | None, is_causal: bool, lq: int, lk: int, hkv: int
+) -> tuple[torch.Tensor | None, int | None]:
+    """(key_keep, key_limit), the arguments of `quantize.kv_statistics` and
+    `quantize.quantize_values_fp8` that select the keys counting for K's mean
+    and V's FP8 scales (reference.counted_keys), for a kernel's call with the
+    classification `info` of its mask (None without one) and hkv KV heads."""
+    key_keep = info.kept_keys(hkv) if info is not None else None
+    return key_keep, (lq if is_causal and lq < lk else None)
 
 
 def classify_mask(mask: torch.Tensor, b: int, hq: int, lq: int, lk: int) -> MaskInfo:

@@ -14,11 +14,12 @@ kernel reads, in its layout (docs/semantics.md gives the math):
   fp8 MMA wants its second operand K-major, with one power-of-two scale per
   channel.
 
-K's mean over keys (smoothing) and V's per-channel amax come from a small
-reduction pass first: many programs per (batch, head), each over a chunk of
-keys, accumulating element-wise in registers (one cross-thread reduction at
-the end, not one per block of keys), then a tiny kernel that combines the
-chunks. Q, which needs no statistics, can be quantized by further programs
+K's mean over keys (smoothing) and V's per-channel amax, over the finite
+values of the keys that count (docs/semantics.md; `key_keep`, `key_limit`),
+come from a small reduction pass first: many programs per (batch, head),
+each over a chunk of keys, accumulating element-wise in registers (one
+cross-thread reduction at the end, not one per block of keys), then a tiny
+kernel that combines the chunks. Q, which needs no statistics, can be quantized by further programs
 of the same launch (`kv_statistics(..., alongside=plan_tokens(q, ...))`).
 The rounding is bit-identical to `dma_compile.formats` (nearest even,
 saturating, rceil/floor scale rules, E8M0 exponents clamped to [-127, 127],
@@ -56,8 +57,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HW_CVT = not INTERPRET
 
 FMT_CODES = {"mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
-# Exponent code stored for V channels whose amax is NaN.
-V_NAN_EXPONENT = tl.constexpr(1 << 20)
 
 
 @triton.jit
@@ -172,9 +171,12 @@ def _round_bf16_bits(x):
 
 @triton.jit
 def _to_f32(x, HW_CVT: tl.constexpr):
-    """x as float32 (the interpreter widens bf16 subnormals wrongly: shift the bits instead)."""
+    """x as float32 (the interpreter widens bf16 subnormals wrongly: shift the
+    bits instead; it reads e4m3's NaN code as 480: select NaN there)."""
     if not HW_CVT and x.dtype == tl.bfloat16:
         r = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif not HW_CVT and x.dtype == tl.float8e4nv:
+        r = tl.where((x.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
     else:
         r = x.to(tl.float32)
     return r
@@ -338,41 +340,60 @@ def _quantize_tokens_kernel(
 
 
 @triton.jit
+def _counted(KEEP, skp_b, skp_h, b, h, rows, ok, HAS_KEEP: tl.constexpr):
+    """Which of the keys `rows` of (b, h) count for the statistics: those
+    below L (ok) that the key-keep vector, if any, marks nonzero."""
+    if HAS_KEEP:
+        keep = tl.load(KEEP + b.to(tl.int64) * skp_b + h.to(tl.int64) * skp_h + rows, mask=ok, other=0)
+        ok = ok & (keep != 0)
+    return ok
+
+
+@triton.jit
 def _kv_stats_chunk(
     pid_c, pid_bh,
     K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
-    KSUM, VMAX, H, L, CHUNK, N_CHUNKS,
+    KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
-    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HW_CVT: tl.constexpr,
+    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """Chunk pid_c of the keys of (batch, head) pid_bh: the float64 sum of K
-    and the amax of |V| (NaN if any).
+    """Chunk pid_c of the keys of (batch, head) pid_bh: over the finite
+    elements of the counted keys, the float64 sum and the count of K and the
+    amax of |V| (docs/semantics.md: a masked-out or non-finite key does not
+    move the statistics of the others).
 
     The loop only loads and accumulates element-wise in registers, so loads
     of several iterations and programs overlap; the one cross-thread
-    reduction is after it. |V|'s float32 bits order like |V| with NaN above
-    everything, so an integer max keeps the NaN (its bits read back NaN).
+    reduction is after it. |V|'s float32 bits order like |V|, Inf and NaN
+    above every finite value, so the finite ones are those below Inf's bits.
     """
     b = pid_bh // H
     h = pid_bh % H
     dk = tl.arange(0, D)
     dv = tl.arange(0, DV)
     ksum = tl.zeros([BLOCK_L, D], dtype=tl.float64)
+    kcnt = tl.zeros([BLOCK_L, D], dtype=tl.int32)
     vmax_bits = tl.zeros([BLOCK_L, DV], dtype=tl.int32)
     k_src = K + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
     v_src = V + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
     start = pid_c * CHUNK
     for l0 in range(start, tl.minimum(start + CHUNK, L), BLOCK_L):
         rows = l0 + tl.arange(0, BLOCK_L)
-        ok = (rows < L)[:, None]
+        ok = rows < L
+        counted = _counted(KEEP, skp_b, skp_h, b, h, rows, ok, HAS_KEEP)[:, None]
         if NEED_K:
-            kt = tl.load(k_src + rows[:, None].to(tl.int64) * sk_l + dk[None, :] * sk_d, mask=ok, other=0.0)
-            ksum += _to_f32(kt, HW_CVT).to(tl.float64)
+            kt = tl.load(k_src + rows[:, None].to(tl.int64) * sk_l + dk[None, :] * sk_d, mask=ok[:, None], other=0.0)
+            kt = _to_f32(kt, HW_CVT)
+            use = counted & (tl.abs(kt) < float("inf"))
+            ksum += tl.where(use, kt, 0.0).to(tl.float64)
+            kcnt += use.to(tl.int32)
         if NEED_V:
-            vt = tl.load(v_src + rows[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d, mask=ok, other=0.0)
-            vmax_bits = tl.maximum(vmax_bits, _to_f32(vt, HW_CVT).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+            vt = tl.load(v_src + rows[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d, mask=ok[:, None], other=0.0)
+            bits = _to_f32(vt, HW_CVT).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            vmax_bits = tl.maximum(vmax_bits, tl.where(counted & (bits < 0x7F800000), bits, 0))
     if NEED_K:
         tl.store(KSUM + (pid_bh * N_CHUNKS + pid_c) * D + dk, tl.sum(ksum, axis=0))
+        tl.store(KCNT + (pid_bh * N_CHUNKS + pid_c) * D + dk, tl.sum(kcnt, axis=0))
     if NEED_V:
         vmax = tl.max(vmax_bits, axis=0).to(tl.float32, bitcast=True)
         tl.store(VMAX + (pid_bh * N_CHUNKS + pid_c) * DV + dv, vmax)
@@ -381,10 +402,10 @@ def _kv_stats_chunk(
 @triton.jit
 def _kv_stats_kernel(
     K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
-    KSUM, VMAX, H, L, CHUNK, N_CHUNKS, N_STATS,
+    KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, N_STATS,
     X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, HX, LX, N_TOKEN_BLOCKS,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
-    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HW_CVT: tl.constexpr,
+    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
     DX: tl.constexpr, BLOCK_T: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
 ):
@@ -397,7 +418,8 @@ def _kv_stats_kernel(
     if pid < N_STATS:
         _kv_stats_chunk(
             pid % N_CHUNKS, pid // N_CHUNKS, K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
-            KSUM, VMAX, H, L, CHUNK, N_CHUNKS, D, DV, BLOCK_L, NEED_K, NEED_V, HW_CVT)
+            KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, D, DV, BLOCK_L, NEED_K, NEED_V, HAS_KEEP,
+            HW_CVT)
     else:
         t = pid - N_STATS
         _quantize_token_block(
@@ -408,12 +430,13 @@ def _kv_stats_kernel(
 
 @triton.jit
 def _kv_stats_finalize_kernel(
-    KSUM, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS, N_KEYS,
+    KSUM, KCNT, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS,
     NCH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr,
 ):
-    """K's mean over keys (reference.key_mean: float64 sum and division, then
-    float32); V's per-channel e4m3 scale 2^e, the smallest with amax / 2^e <= 448.
+    """K's mean over the counted finite values (reference.key_mean: float64
+    sum and division, then float32; 0 without any); V's per-channel e4m3
+    scale 2^e, the smallest with amax / 2^e <= 448.
 
     A float64 sum of 16-bit inputs is exact or nearly so in any order, so the
     mean rounds to the same float32 as the reference's; a float32 sum would
@@ -426,28 +449,32 @@ def _kv_stats_finalize_kernel(
     if NEED_K:
         dk = tl.arange(0, D)
         parts = tl.load(KSUM + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0.0)
+        count = tl.sum(tl.load(KCNT + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0), axis=0)
         # A float64 `/` compiles to a correctly rounded division (float32's may not).
-        mean = tl.sum(parts, axis=0) / N_KEYS
-        tl.store(MEAN + pid_bh * D + dk, mean.to(tl.float32))
+        mean = tl.sum(parts, axis=0) / tl.maximum(count, 1).to(tl.float64)
+        tl.store(MEAN + pid_bh * D + dk, tl.where(count > 0, mean, 0.0).to(tl.float32))
     if NEED_V:
         dv = tl.arange(0, DV)
-        parts = tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0)
-        is_nan = tl.max((parts != parts).to(tl.int32), axis=0) > 0
-        amax = tl.max(tl.where(parts == parts, parts, 0.0), axis=0)
-        # An all-zero channel gets scale 1, as reference.fp8_value_scale.
+        amax = tl.max(tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0), axis=0)
+        # A channel without a nonzero value gets scale 1, as reference.fp8_value_scale.
         amax = tl.where(amax > 0, amax, 448.0)
         e, frac = _log2_parts(amax)
         e = e + (frac > 0x600000).to(tl.int32) - 8
-        tl.store(VEXP + pid_bh * DV + dv, tl.where(is_nan, V_NAN_EXPONENT, e))
-        tl.store(VSCALE + pid_bh * DV + dv, tl.where(is_nan, float("nan"), _pow2_wide(e)))
+        tl.store(VEXP + pid_bh * DV + dv, e)
+        tl.store(VSCALE + pid_bh * DV + dv, _pow2_wide(e))
 
 
 @triton.jit
 def _quantize_v_kernel(
-    V, sv_b, sv_h, sv_l, sv_d, VEXP, OUT, H, L, L_PAD,
-    DV: tl.constexpr, BLOCK_T: tl.constexpr, HW_CVT: tl.constexpr,
+    V, sv_b, sv_h, sv_l, sv_d, VEXP, OUT, KEEP, skp_b, skp_h, H, L, L_COUNTED, L_PAD,
+    DV: tl.constexpr, BLOCK_T: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """e4m3(V / 2^e) per channel, stored transposed: OUT (B*H, DV, L_PAD).
+
+    Keys that do not count (at or past L_COUNTED, or zero in KEEP) are
+    stored as zeros: no query row attends them, and a zero keeps their
+    content out of the P·V products of the rows that mask them. Non-finite
+    elements become e4m3 NaN (e4m3 has no Inf).
 
     BLOCK_T keys per program so each channel's row of the output is written
     as one run of BLOCK_T bytes (Triton transposes through shared memory).
@@ -465,7 +492,9 @@ def _quantize_v_kernel(
     # 2^-e in two normal factors: e can lie outside float32's normal range.
     half = (-e) >> 1
     x = _to_f32(v, HW_CVT) * _pow2(half)[None, :] * _pow2(-e - half)[None, :]
-    bits = tl.where((e == V_NAN_EXPONENT)[None, :], 0x7F, _e4m3_code(x, HW_CVT))
+    bits = tl.where(tl.abs(x) < float("inf"), _e4m3_code(x, HW_CVT), 0x7F)
+    counted = _counted(KEEP, skp_b, skp_h, b, h, t, ok & (t < L_COUNTED), HAS_KEEP)
+    bits = tl.where(counted[:, None], bits, 0)
     dst = OUT + pid_bh.to(tl.int64) * DV * L_PAD
     tl.store(dst + d[:, None] * L_PAD + t[None, :], tl.trans(bits), mask=ok[None, :])
 
@@ -627,14 +656,34 @@ def _shared_token_args(plan: TokenPlan | None, placeholder: torch.Tensor) -> tup
     return args, plan.blocks_per_head * plan.heads
 
 
+def key_keep_arguments(key_keep: torch.Tensor | None, b: int, h: int, length: int, placeholder: torch.Tensor):
+    """(KEEP, its batch and head strides, HAS_KEEP) for a key-keep vector
+    broadcastable to (b, h, length), any dtype, nonzero = the key counts;
+    KEEP's key stride is 1."""
+    if key_keep is None:
+        return placeholder, 0, 0, False
+    if key_keep.dim() != 3 or key_keep.shape[-1] != length:
+        raise ValueError(f"key_keep: expected a (B, H, {length}) tensor, got shape {tuple(key_keep.shape)}")
+    keep = key_keep.view(torch.uint8) if key_keep.dtype == torch.bool else key_keep
+    keep = keep.expand(b, h, length)
+    if keep.stride(-1) != 1:
+        keep = keep.contiguous()
+    return keep, keep.stride(0), keep.stride(1), True
+
+
 def kv_statistics(
     k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale: bool, alongside: TokenPlan | None = None,
+    key_keep: torch.Tensor | None = None, key_limit: int | None = None,
 ) -> KVStatistics:
     """One pass over K and V (chunked over keys, then a small finalize kernel).
 
     The key mean equals reference.key_mean's (see _kv_stats_finalize_kernel).
     alongside: an unsmoothed token plan of another tensor (Q), carried out
     by the same launch when only K's mean is asked (by its own launch otherwise).
+    key_keep, key_limit: which keys count (reference.counted_keys): those
+    below key_limit (default: all) that key_keep, broadcastable to
+    (B, H, Lk) (e.g. `masks.MaskInfo.kept_keys`), marks nonzero; non-finite
+    elements never count.
     """
     if alongside is not None and alongside.args is not None and (
         alongside.args["SMOOTH"] or alongside.args["WRITE_NONE"]
@@ -648,36 +697,51 @@ def kv_statistics(
         alongside = None
     if not (key_mean or value_scale):
         return KVStatistics(None, None, None)
-    b, h, length, d = k.shape
+    b, h, full_length, d = k.shape
     dv = v.shape[-1]
+    keep, skp_b, skp_h, has_keep = key_keep_arguments(key_keep, b, h, full_length, k)
+    if key_limit is not None and key_limit < 1:
+        raise ValueError(f"key_limit: must be at least 1, got {key_limit}")
+    # Keys from key_limit on do not count: the pass stops before them.
+    length = min(full_length, key_limit) if key_limit is not None else full_length
     block_l, chunk, n_chunks = _stats_chunking(b, h, length, d, dv, value_scale)
     dev = k.device
     ksum = torch.empty(b * h, n_chunks, d, dtype=torch.float64, device=dev) if key_mean else None
+    kcnt = torch.empty(b * h, n_chunks, d, dtype=torch.int32, device=dev) if key_mean else None
     vmax = torch.empty(b * h, n_chunks, dv, dtype=torch.float32, device=dev) if value_scale else None
     n_stats = n_chunks * b * h
     token_args, n_token_programs = _shared_token_args(alongside, k)
+    some_stat = ksum if key_mean else vmax
     _kv_stats_kernel[(n_stats + n_token_programs,)](
         k, *k.stride(), v, *v.stride(),
-        ksum if key_mean else vmax, vmax if value_scale else ksum, h, length, chunk, n_chunks, n_stats,
-        D=d, DV=dv, BLOCK_L=block_l, NEED_K=key_mean, NEED_V=value_scale, HW_CVT=HW_CVT, **token_args,
-        num_warps=4,
+        some_stat, kcnt if key_mean else some_stat, vmax if value_scale else some_stat, keep, skp_b, skp_h,
+        h, length, chunk, n_chunks, n_stats,
+        D=d, DV=dv, BLOCK_L=block_l, NEED_K=key_mean, NEED_V=value_scale, HAS_KEEP=has_keep, HW_CVT=HW_CVT,
+        **token_args, num_warps=4,
     )
     mean = torch.empty(b, h, d, dtype=torch.float32, device=dev) if key_mean else None
     vexp = torch.empty(b, h, dv, dtype=torch.int32, device=dev) if value_scale else None
     vscale = torch.empty(b, h, dv, dtype=torch.float32, device=dev) if value_scale else None
     some = mean if key_mean else vscale
     _kv_stats_finalize_kernel[(b * h,)](
-        ksum if key_mean else vmax, vmax if value_scale else ksum,
+        some_stat, kcnt if key_mean else some_stat, vmax if value_scale else some_stat,
         some, vexp if value_scale else some, vscale if value_scale else some,
-        n_chunks, length,
+        n_chunks,
         NCH=triton.next_power_of_2(n_chunks), D=d, DV=dv, NEED_K=key_mean, NEED_V=value_scale, num_warps=4,
     )
     return KVStatistics(mean, vexp, vscale)
 
 
-def quantize_values_fp8(v: torch.Tensor, value_exponents: torch.Tensor) -> torch.Tensor:
-    """e4m3(V / 2^e) transposed to (B, H, Dv, L_pad), L_pad a multiple of 16."""
+def quantize_values_fp8(
+    v: torch.Tensor, value_exponents: torch.Tensor, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
+) -> torch.Tensor:
+    """e4m3(V / 2^e) transposed to (B, H, Dv, L_pad), L_pad a multiple of 16.
+
+    key_keep, key_limit: as for `kv_statistics`; keys that do not count are
+    stored as zeros, non-finite elements as e4m3 NaN.
+    """
     b, h, length, dv = v.shape
+    keep, skp_b, skp_h, has_keep = key_keep_arguments(key_keep, b, h, length, v)
     l_pad = triton.cdiv(length, 16) * 16
     out = torch.empty(b, h, dv, l_pad, dtype=torch.float8_e4m3fn, device=v.device)
     # Measured on an H200: 128 keys (128-byte output rows) and 4 warps at
@@ -685,7 +749,8 @@ def quantize_values_fp8(v: torch.Tensor, value_exponents: torch.Tensor) -> torch
     # (16384 elements per program, as before; not measured).
     block_t, warps = (128, 4) if dv == 128 else ((64, 8) if dv > 128 else (64, 4))
     _quantize_v_kernel[(triton.cdiv(length, block_t), b * h)](
-        v, *v.stride(), value_exponents, out.view(torch.uint8), h, length, l_pad,
-        DV=dv, BLOCK_T=block_t, HW_CVT=HW_CVT, num_warps=warps,
+        v, *v.stride(), value_exponents, out.view(torch.uint8), keep, skp_b, skp_h, h, length,
+        length if key_limit is None else key_limit, l_pad,
+        DV=dv, BLOCK_T=block_t, HAS_KEEP=has_keep, HW_CVT=HW_CVT, num_warps=warps,
     )
     return out

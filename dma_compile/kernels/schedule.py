@@ -86,6 +86,28 @@ def precision_band(
     return sink_end, band_s, band_e
 
 
+@triton.jit
+def counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, HAS_KEEP: tl.constexpr):
+    """Which keys offs_n count (reference.counted_keys): below KEY_LIMIT and,
+    with HAS_KEEP, nonzero in KEEP (this batch and KV head's key-keep vector,
+    unit stride). The others no query row attends; the masking loops select
+    zeros for their V."""
+    ok = key_ok & (offs_n < KEY_LIMIT)
+    if HAS_KEEP:
+        ok = ok & (tl.load(KEEP + offs_n, mask=ok, other=0) != 0)
+    return ok
+
+
+def v_select_mode(has_keep: bool, key_limit: int, lk: int, pv_fp8: bool) -> int:
+    """SELECT_V of the attention kernels (`counted_v`): 0 to use V as stored
+    (FP8 V^T has the keys that do not count zeroed already, and without a
+    keep vector or limit every key counts), 1 to zero the V of keys from
+    key_limit on, 2 also that of keys the keep vector marks 0."""
+    if pv_fp8 or not (has_keep or key_limit < lk):
+        return 0
+    return 2 if has_keep else 1
+
+
 def collapse_expanded_heads(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V expanded over heads with stride 0 (e.g. a repeated single KV head) become one head: no copy."""
     if k.shape[1] > 1 and k.stride(1) == 0 and v.stride(1) == 0:
