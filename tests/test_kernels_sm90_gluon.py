@@ -1,4 +1,5 @@
-"""The Gluon Hopper kernel against the reference (GPU only: Gluon has no interpreter).
+"""The Gluon Hopper kernel against the reference (on the GPU: Gluon has no
+interpreter), and which calls it serves (on any machine).
 
 The same matrix as tests/test_kernels_sm90.py at its GPU sizes, with the same
 error bounds (that file's docstring derives them): every case the Gluon
@@ -18,14 +19,11 @@ from dma_compile.kernels import Unsupported
 from dma_compile.reference import dma_attention_reference
 from test_kernels_sm90 import CASES, HOPPER, PAPER_FOLDED, Case, assert_matches, inputs, large
 
-pytestmark = pytest.mark.gpu
-
-
 def check(case, seed, scale_up=1):
     from dma_compile.kernels.attention_sm90_gluon import unsupported_reason
 
     q, k, v, mask = inputs(case, "cuda", scale_up)
-    reason = unsupported_reason(q, k, v, mask, case.policy)
+    reason = unsupported_reason(q, k, v, mask, case.causal, case.policy)
     if reason is not None:
         with pytest.raises(Unsupported):
             dma_attention(q, k, v, attn_mask=mask, is_causal=case.causal, policy=case.policy, impl="sm90_gluon")
@@ -37,6 +35,7 @@ def check(case, seed, scale_up=1):
     return True
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gluon_matches_reference_or_refuses(case, seed):
     check(large(case), seed, 13)
@@ -55,12 +54,14 @@ def sweep_cases():
         hkv = rng.choice([1, 2, 3])
         lq, lk = rng.randint(1, 700), rng.randint(1, 700)
         causal = rng.random() < 0.5
-        case = Case(f"sweep{i}", policy, lq, lk if not causal or rng.random() < 0.5 else lq, causal=causal,
+        # Causal calls with Lq < Lk go to the Triton kernel (unsupported_reason).
+        case = Case(f"sweep{i}", policy, lq, lk if not causal or lk <= lq else lq, causal=causal,
                     d=rng.choice([64, 128]), hq=hkv * rng.choice([1, 2, 4]), hkv=hkv, b=rng.randint(1, 3),
                     dtype=rng.choice([torch.bfloat16, torch.bfloat16, torch.float16]))
         yield i, case
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("chunk", range(8))
 def test_gluon_random_shape_sweep(chunk):
     """120 seeded cases in 8 chunks (so that pytest-xdist spreads their compiles)."""
@@ -68,3 +69,31 @@ def test_gluon_random_shape_sweep(chunk):
         if i % 8 == chunk:
             torch.manual_seed(i)
             assert check(case, i), f"{case}: the Gluon kernel must serve every sweep case"
+
+
+@pytest.mark.parametrize("what, expect", [
+    ({}, None),
+    ({"capability": (10, 0)}, "sm_90 GPU"),
+    ({"dtype": torch.float32}, "bfloat16 or float16"),
+    ({"d": 96}, "head_dim"),
+    ({"mask": True}, "explicit masks"),
+    ({"policy": AttentionPolicy()}, "folded MX only"),
+    ({"policy": HOPPER.replace(tile=64)}, "multiple of 128"),
+    ({"causal": True, "lk": 300}, "Lq < Lk"),
+    ({"causal": True}, None),
+    ({"policy": HOPPER.replace(pv="fp8"), "hkv": 2, "lk": 90}, None),
+])
+def test_gluon_routing_rule(what, expect):
+    """Which calls the Gluon kernel serves, decided for an H100/H200 on any machine (no GPU needed)."""
+    from dma_compile.kernels.attention_sm90_gluon import unsupported_reason
+
+    d, dtype = what.get("d", 128), what.get("dtype", torch.bfloat16)
+    q = torch.empty(1, 4, 200, d, dtype=dtype)
+    kv = torch.empty(1, what.get("hkv", 4), what.get("lk", 200), d, dtype=dtype)
+    mask = torch.ones(200, kv.shape[2], dtype=torch.bool) if what.get("mask") else None
+    reason = unsupported_reason(q, kv, kv, mask, what.get("causal", False), what.get("policy", HOPPER),
+                                capability=what.get("capability", (9, 0)))
+    if expect is None:
+        assert reason is None
+    else:
+        assert reason is not None and expect in reason

@@ -56,11 +56,17 @@ CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
 
 
-def unsupported_reason(q, k, v, attn_mask, policy: AttentionPolicy) -> str | None:
-    """Why the Gluon kernel cannot serve this call, or None when it can."""
-    if q.device.type != "cuda":
-        return f"the Gluon sm90 kernel needs CUDA tensors, got {q.device.type}"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+def unsupported_reason(q, k, v, attn_mask, is_causal: bool, policy: AttentionPolicy,
+                       capability: tuple[int, int] | None = None) -> str | None:
+    """Why the Gluon kernel cannot serve this call, or None when it can.
+
+    capability: the GPU's compute capability (default: q's device's), so the
+    rule can be checked for any GPU on any machine."""
+    if capability is None:
+        if q.device.type != "cuda":
+            return f"the Gluon sm90 kernel needs CUDA tensors, got {q.device.type}"
+        capability = torch.cuda.get_device_capability(q.device)
+    if tuple(capability) != (9, 0):
         return "the Gluon sm90 kernel needs an sm_90 GPU (H100/H200)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"the Gluon sm90 kernel takes bfloat16 or float16, got {q.dtype}"
@@ -70,6 +76,10 @@ def unsupported_reason(q, k, v, attn_mask, policy: AttentionPolicy) -> str | Non
         return "the Gluon sm90 kernel does not read explicit masks yet"
     if policy.uses_mx and policy.mx_mode != "folded":
         return "the Gluon sm90 kernel runs folded MX only (exact MX dequantizes to bf16)"
+    if is_causal and q.shape[2] < k.shape[2]:
+        # Keys past Lq then count for no row (masks.counted_key_arguments): their
+        # V would have to be zeroed in the loop, as the Triton kernel does.
+        return "the Gluon sm90 kernel does not take causal calls with Lq < Lk"
     if policy.tile % BLOCK_M != 0:
         return f"the Gluon sm90 kernel needs a precision tile that is a multiple of {BLOCK_M}"
     return None
@@ -506,7 +516,7 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
 
     variant: block_n, stages, pingpong (benchmarks and tests); raises
     Unsupported for calls `unsupported_reason` names."""
-    reason = unsupported_reason(q, k, v, attn_mask, policy)
+    reason = unsupported_reason(q, k, v, attn_mask, is_causal, policy)
     if reason is not None:
         raise Unsupported(reason)
     b, hq, lq, d = q.shape
