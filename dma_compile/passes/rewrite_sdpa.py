@@ -271,7 +271,9 @@ def unsupported_reason(args: dict, policy: AttentionPolicy) -> str | None:
         return f"head_dim {head_dim} is not a multiple of {MX_BLOCK} (the policy uses MX formats)"
     if not (_same(k.shape[0], q.shape[0]) and _same(v.shape[0], q.shape[0])):
         return "batch sizes of query/key/value differ (SDPA broadcasting)"
-    if not (_same(k.shape[1], v.shape[1]) and _same(k.shape[2], v.shape[2])):
+    # A KV cache's keys and values carry two length symbols that no guard ties
+    # together: the op checks their equality at run time.
+    if not _same(k.shape[1], v.shape[1]) or statically_known_true(k.shape[2] != v.shape[2]):
         return "key and value differ in heads or length"
     heads = f"({q.shape[1]} query, {k.shape[1]} key/value)"
     if enable_gqa and not statically_known_true(q.shape[1] % k.shape[1] == 0):
