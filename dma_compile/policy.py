@@ -83,6 +83,12 @@ class AttentionPolicy:
         _choice("smooth_k", self.smooth_k, (True, False))
         _choice("scale_rule", self.scale_rule, SCALE_RULES)
         _int_at_least("AttentionPolicy.min_q_len", self.min_q_len, 1)
+        # The string form travels with every op call: build it once.
+        parts = []
+        for name, short in _KEYS.items():
+            value = getattr(self, name)
+            parts.append(f"{short}={int(value) if isinstance(value, bool) else value}")
+        object.__setattr__(self, "_text", ",".join(parts))
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -91,17 +97,13 @@ class AttentionPolicy:
 
     @property
     def uses_mx(self) -> bool:
-        return any(f != "none" for f in self.formats)
+        return self.hi != "none" or self.lo != "none"
 
     def replace(self, **changes: Any) -> "AttentionPolicy":
         return dataclasses.replace(self, **changes)
 
     def to_string(self) -> str:
-        parts = []
-        for name, short in _KEYS.items():
-            value = getattr(self, name)
-            parts.append(f"{short}={int(value) if isinstance(value, bool) else value}")
-        return ",".join(parts)
+        return self._text
 
     __str__ = to_string
 

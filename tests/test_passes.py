@@ -387,3 +387,8 @@ def test_kv_lengths_of_two_symbols_are_checked_at_run_time(seed):
     with pytest.raises(ValueError, match=r"v: \(batch, heads, length\) must match k's \(2, 4, 37\), got \(2, 4, 30\)"):
         compiled(q, k, v[:, :, :30].contiguous())
     assert len(backend.graphs) == 1
+
+
+def test_unknown_impl_is_refused():
+    with pytest.raises(ValueError, match="impl must be one of .* got 'sm80'"):
+        rewrite_sdpa(torch.fx.Graph(), None, impl="sm80")
