@@ -14,6 +14,7 @@ from dma_compile.calibrate import calibrate
 from dma_compile.formats import quantize_mx
 from dma_compile.ops import dma_attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
+from dma_compile.prepare import warmup
 
 __version__ = "0.1.0"
 
@@ -58,5 +59,6 @@ __all__ = [
     "default_policy",
     "dma_attention",
     "quantize_mx",
+    "warmup",
     *_LAZY,
 ]
