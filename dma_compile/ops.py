@@ -51,8 +51,11 @@ INPUT_DTYPES = validate.INPUT_DTYPES
 
 
 def check_impl(impl) -> str:
-    """Raise ValueError unless `impl` names an implementation of the op."""
-    return validate.check_impl(impl, IMPLS)
+    """Raise ValueError unless `impl` names an implementation of the op: the
+    one impl check of every door (the op, dma_attention, backend, pass, hf)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    return impl
 
 
 def check_inputs(q, k, v, attn_mask, is_causal, scale, policy: AttentionPolicy, impl: str) -> None:

@@ -1,9 +1,9 @@
 """Argument checks of `torch.ops.dma.attention`, shared by every door to it.
 
 The op runs `check_inputs` itself, in its real kernel and in its fake one, so
-`dma_attention`, a direct `torch.ops.dma.attention` call, the compile pass and
-the transformers integration all raise the same `ValueError` naming the
-argument. `check_impl` is the one check of the `impl` argument everywhere.
+`dma_attention` and a direct `torch.ops.dma.attention` call raise the same
+`ValueError` naming the argument, and the compile pass and the transformers
+integration, which serve such calls with stock SDPA, log the same reasons.
 
 Under torch.compile the fake kernel sees symbolic sizes: a size check raises
 there only when the sizes provably break the rule (asking more would add
@@ -21,12 +21,6 @@ from dma_compile.policy import AttentionPolicy
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 REFERENCE_DTYPES = INPUT_DTYPES + (torch.float64,)
-
-
-def check_impl(impl, impls: tuple[str, ...]) -> str:
-    if impl not in impls:
-        raise ValueError(f"impl must be one of {list(impls)}, got {impl!r}")
-    return impl
 
 
 def _known(condition) -> bool:
