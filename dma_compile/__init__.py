@@ -3,13 +3,18 @@
 `dma_attention` is a drop-in for `scaled_dot_product_attention` that runs QK^T
 in MXFP8 on the sink and diagonal tiles of the score matrix and in MXFP4 (or
 another format the policy names) elsewhere. `torch.compile(model,
-backend="dma")` rewrites a model's SDPA calls into it.
+backend="dma")` rewrites a model's SDPA calls into it: Dynamo finds the name
+through the installed entry point, or, in a source checkout that was never
+installed, through the registration below on `import dma_compile`.
 """
+
+from importlib.metadata import entry_points
 
 from dma_compile.calibrate import calibrate
 from dma_compile.formats import quantize_mx
 from dma_compile.ops import dma_attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
+from dma_compile.prepare import warmup
 
 __version__ = "0.1.0"
 
@@ -18,6 +23,25 @@ _LAZY = {
     "dma_backend": "dma_compile.backend",
     "install_inductor_pass": "dma_compile.backend",
 }
+
+
+def _dma_backend(gm, example_inputs, **kwargs):
+    """backend="dma" when registered on import: `dma_backend`, loaded on first use."""
+    from dma_compile.backend import dma_backend
+
+    return dma_backend(gm, example_inputs, **kwargs)
+
+
+def _register_backend() -> None:
+    # With the entry point installed Dynamo registers the name itself when it
+    # loads it, and refuses a second registration.
+    if not entry_points(group="torch_dynamo_backends", name="dma"):
+        from torch._dynamo import register_backend
+
+        register_backend(_dma_backend, name="dma")
+
+
+_register_backend()
 
 
 def __getattr__(name):
@@ -35,5 +59,6 @@ __all__ = [
     "default_policy",
     "dma_attention",
     "quantize_mx",
+    "warmup",
     *_LAZY,
 ]

@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-import dma_compile.ops
-from dma_compile.passes import rewrite_sdpa as rewrite_module
 import dma_compile.policy
+from dma_compile.ops import check_impl
+from dma_compile.passes import rewrite_sdpa as rewrite_module
 from dma_compile.passes.rewrite_sdpa import RewriteReport, rewrite_sdpa
 from dma_compile.policy import ModelPolicy, as_model_policy, default_policy
 
@@ -30,12 +30,6 @@ logger = logging.getLogger(__name__)
 
 # The files whose code decides what the rewrite produces: part of the pass's cache uuid.
 _PASS_SOURCES = (rewrite_module.__file__, dma_compile.policy.__file__, __file__)
-
-
-def _check_impl(impl: str) -> str:
-    if impl not in dma_compile.ops.IMPLS:
-        raise ValueError(f"impl must be one of {list(dma_compile.ops.IMPLS)}, got {impl!r}")
-    return impl
 
 
 def inductor_config_patches(mode: str | None = None, options: dict | None = None) -> dict:
@@ -73,7 +67,7 @@ class DmaBackend:
 
     def __init__(self, policy: ModelPolicy | str | os.PathLike | None = None, impl: str = "auto"):
         self.policy = as_model_policy(policy)
-        self.impl = _check_impl(impl)
+        self.impl = check_impl(impl)
         self.reports: list[RewriteReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs, *, mode: str | None = None, options: dict | None = None):
@@ -120,7 +114,7 @@ class SdpaRewritePass(CustomGraphPass):
 
     def __init__(self, policy: ModelPolicy | None, impl: str):
         self.policy = policy
-        self.impl = impl
+        self.impl = check_impl(impl)
 
     def __call__(self, graph: fx.Graph) -> None:
         _log_report(rewrite_sdpa(graph, self.policy, self.impl))
@@ -151,7 +145,7 @@ def install_inductor_pass(policy: ModelPolicy | str | os.PathLike | None = None,
             f"torch._inductor.config.pre_grad_custom_pass already holds {current!r}; "
             "remove it or compose it with the DMA pass yourself"
         )
-    config.pre_grad_custom_pass = SdpaRewritePass(as_model_policy(policy), _check_impl(impl))
+    config.pre_grad_custom_pass = SdpaRewritePass(as_model_policy(policy), check_impl(impl))
     return config.pre_grad_custom_pass
 
 

@@ -22,8 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import dma_compile.ops
-from dma_compile.ops import check_inputs
+from dma_compile.ops import check_impl, check_inputs
 from dma_compile.policy import ModelPolicy, as_model_policy, default_policy
 
 logger = logging.getLogger(__name__)
@@ -100,8 +99,7 @@ def register(policy: ModelPolicy | str | os.PathLike | None = None, impl: str = 
     device default). impl: the op's impl ("auto" picks the kernel per GPU).
     Returns the implementation name to pass as `attn_implementation`.
     """
-    if impl not in dma_compile.ops.IMPLS:
-        raise ValueError(f"impl must be one of {list(dma_compile.ops.IMPLS)}, got {impl!r}")
+    check_impl(impl)
     forward = functools.partial(_attention_forward, as_model_policy(policy), impl)
     AttentionInterface.register(NAME, forward)
     # Same boolean masks as SDPA (None when is_causal can stand in for them).

@@ -1,29 +1,102 @@
-"""The `dma::attention` custom op and its Python entry `dma_attention`.
+"""The `dma::attention` op and its Python entry `dma_attention`.
 
 This is the single door to the kernels: everything above (the compile
-backend, the transformers integration, calibration) calls the op, and the op
-picks the implementation by device: the sm_100 kernel on Blackwell, the sm_90
-kernel on Hopper, the reference elsewhere. The policy travels as a string
-argument so compiled-graph caches see it.
+backend, the transformers integration, calibration) calls the op. The op
+validates its arguments (`dma_compile.validate`), then `route` decides what
+runs: with impl="auto", the kernels of `KERNELS` that serve the GPU's compute
+capability, in table order, and stock SDPA when none serves the call (reason
+logged once); the PyTorch reference on CPU or when asked for. The policy
+travels as a string argument so compiled-graph caches see it.
+
+The op is defined through `torch.library.Library` with one
+CompositeExplicitAutograd kernel (the cheapest dispatch path) and a fake
+kernel for torch.compile. It has no backward: the argument checks refuse
+inputs that require grad while grad mode is on.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from dma_compile import validate
 from dma_compile.policy import AttentionPolicy, as_policy
 from dma_compile.reference import dma_attention_reference
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ("auto", "reference", "sm90", "sm90_gluon", "sm100")
-INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-REFERENCE_ONLY_DTYPES = (torch.float64,)
+
+@dataclass(frozen=True)
+class Kernel:
+    """An attention kernel: where its function lives, and the compute
+    capability majors impl="auto" sends to it."""
+
+    module: str
+    function: str
+    capability_majors: tuple[int, ...]
+
+
+# impl name -> kernel. impl="auto" tries the kernels that serve the GPU in this order.
+KERNELS = {
+    # Explicit only (no capability for "auto"): correct, but not yet faster
+    # than the Triton sm90 kernel (BENCHMARKS.md, the Gluon kernel's runs).
+    "sm90_gluon": Kernel("dma_compile.kernels.attention_sm90_gluon", "attention_sm90_gluon", ()),
+    "sm90": Kernel("dma_compile.kernels.attention_sm90", "attention_sm90", (9,)),
+    "sm100": Kernel("dma_compile.kernels.attention_sm100", "attention_sm100", (10,)),
+}
+IMPLS = ("auto", "reference", *KERNELS)
+INPUT_DTYPES = validate.INPUT_DTYPES
+
+
+def check_impl(impl) -> str:
+    """Raise ValueError unless `impl` names an implementation of the op: the
+    one impl check of every door (the op, dma_attention, backend, pass, hf)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    return impl
+
+
+def check_inputs(q, k, v, attn_mask, is_causal, scale, policy: AttentionPolicy, impl: str) -> None:
+    """Raise ValueError naming the offending argument for anything the op does not accept."""
+    check_impl(impl)
+    validate.check_inputs(q, k, v, attn_mask, is_causal, scale, policy, impl)
+
+
+@dataclass(frozen=True)
+class Route:
+    """What runs one call: `kernels` in order, then `fallback` ("sdpa" or
+    "reference") if none serves it; no fallback means a kernel's `Unsupported`
+    is raised. `reason` says why no kernel is tried, where that is a fallback."""
+
+    kernels: tuple[str, ...] = ()
+    fallback: str | None = None
+    reason: str | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def route(impl: str, device_type: str, capability: tuple[int, int] | None, short_query: bool) -> Route:
+    """The routing decision, from the call's device, its CUDA compute
+    capability (None off CUDA) and whether its queries are shorter than the
+    policy's `min_q_len` (decode steps, which stock SDPA serves)."""
+    if impl == "reference":
+        return Route(fallback="reference")
+    if impl != "auto":
+        return Route(kernels=(impl,))
+    if short_query:
+        return Route(fallback="sdpa")
+    if device_type == "cpu":
+        return Route(fallback="reference")
+    if device_type != "cuda" or capability is None:
+        return Route(fallback="sdpa", reason=f"no DMA kernel for {device_type} tensors")
+    kernels = tuple(name for name, kernel in KERNELS.items() if capability[0] in kernel.capability_majors)
+    if not kernels:
+        return Route(fallback="sdpa", reason=f"no DMA kernel for compute capability {capability[0]}.{capability[1]}")
+    return Route(kernels=kernels, fallback="sdpa")
 
 
 @functools.lru_cache(maxsize=256)
@@ -31,129 +104,83 @@ def _parse_policy(text: str) -> AttentionPolicy:
     return AttentionPolicy.from_string(text)
 
 
-def _auto_impl(q: torch.Tensor) -> str:
-    if q.device.type != "cuda":
-        return "reference"
-    major, _ = torch.cuda.get_device_capability(q.device)
-    return {9: "sm90", 10: "sm100"}.get(major, "reference")
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of `device`, None off CUDA."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(impl: str):
+    kernel = KERNELS[impl]
+    return getattr(importlib.import_module(kernel.module), kernel.function)
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_fallback_once(reason: str) -> None:
-    logger.warning("dma attention: using the PyTorch reference instead of the kernel: %s", reason)
+    logger.warning("dma attention: stock SDPA runs instead of the kernel: %s", reason)
 
 
-def _kernel(impl: str):
-    if impl == "sm90_gluon":
-        from dma_compile.kernels.attention_sm90_gluon import attention_sm90_gluon
-
-        return attention_sm90_gluon
-    if impl == "sm90":
-        from dma_compile.kernels.attention_sm90 import attention_sm90
-
-        return attention_sm90
-    from dma_compile.kernels.attention_sm100 import attention_sm100
-
-    return attention_sm100
+def stock_sdpa(q, k, v, attn_mask, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """Stock SDPA on the op's inputs, GQA served as transformers' SDPA path
+    serves it: natively, except with a mask on CUDA, where only SDPA's math
+    backend takes enable_gqa; there on K/V repeated per query head."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and attn_mask is not None and q.device.type == "cuda":
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
-# flexible_layout: Inductor may hand the op any strides, so every layer of a
-# compiled model shares one mask buffer (and one cached mask classification).
-@torch.library.custom_op("dma::attention", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
-    is_causal: bool,
-    scale: Optional[float],
-    policy: str,
-    impl: str,
-) -> torch.Tensor:
-    """DMA attention on validated SDPA-style inputs; see `dma_attention`."""
-    pol = _parse_policy(policy)
-    if impl == "auto":
-        if q.shape[-2] < pol.min_q_len:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
-        impl = _auto_impl(q)
-        if impl != "reference":
-            from dma_compile.kernels import Unsupported
+def run(plan: Route, q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy):
+    """Run one validated call as `plan` says."""
+    if plan.kernels:
+        from dma_compile.kernels import Unsupported
 
+        for name in plan.kernels:
             try:
-                return _kernel(impl)(q, k, v, attn_mask, is_causal, scale, pol)
+                return _kernel(name)(q, k, v, attn_mask, is_causal, scale, policy)
             except Unsupported as e:
-                _warn_fallback_once(str(e))
-                impl = "reference"
-    if impl == "reference":
-        return dma_attention_reference(q, k, v, attn_mask, is_causal, scale, pol).contiguous()
-    return _kernel(impl)(q, k, v, attn_mask, is_causal, scale, pol)
+                if plan.fallback is None:
+                    raise
+                _warn_fallback_once(f"{name}: {e}")
+    elif plan.reason is not None:
+        _warn_fallback_once(plan.reason)
+    if plan.fallback == "reference":
+        return dma_attention_reference(q, k, v, attn_mask, is_causal, scale, policy).contiguous()
+    return stock_sdpa(q, k, v, attn_mask, is_causal, scale)
 
 
-@attention.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, policy, impl):
+# Dynamo must not trace the kernel when eager code after a graph break calls it.
+@torch._disable_dynamo
+def _attention(q, k, v, attn_mask, is_causal, scale, policy, impl):
+    pol = _parse_policy(policy)
+    check_inputs(q, k, v, attn_mask, is_causal, scale, pol, impl)
+    b, hq, lq, _ = q.shape
+    if b * hq * lq == 0 or k.shape[2] == 0:
+        # As SDPA: empty in, empty out; no keys, zeros.
+        return q.new_zeros((b, hq, lq, v.shape[-1]))
+    device = q.device
+    plan = route(impl, device.type, _capability(device), lq < pol.min_q_len)
+    return run(plan, q, k, v, attn_mask, is_causal, scale, pol)
+
+
+def _attention_fake(q, k, v, attn_mask, is_causal, scale, policy, impl):
+    check_inputs(q, k, v, attn_mask, is_causal, scale, _parse_policy(policy), impl)
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-def _check_tensor(name: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"{name} must have 4 dimensions (batch, heads, length, head_dim), got shape {tuple(x.shape)}")
-
-
-def check_inputs(q, k, v, attn_mask, is_causal, scale, policy: AttentionPolicy, impl: str) -> None:
-    """Raise ValueError naming the offending argument for anything the op does not accept."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
-    accepted = INPUT_DTYPES + (REFERENCE_ONLY_DTYPES if impl == "reference" else ())
-    if q.dtype not in accepted:
-        raise ValueError(f"q: dtype must be one of {[str(d) for d in accepted]} with impl={impl!r}, got {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"k, v: dtype must match q's ({q.dtype}), got k {k.dtype} and v {v.dtype}")
-    if len({q.device, k.device, v.device}) != 1:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    b, hq, lq, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"k, v: batch size must match q's ({b}), got {k.shape[0]} and {v.shape[0]}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"v: (batch, heads, length) must match k's {tuple(k.shape[:3])}, got {tuple(v.shape[:3])}")
-    if k.shape[-1] != d:
-        raise ValueError(f"k: head_dim must match q's ({d}), got {k.shape[-1]}")
-    if hq % k.shape[1] != 0:
-        raise ValueError(f"k: the number of KV heads ({k.shape[1]}) must divide q's heads ({hq})")
-    if lq == 0 or k.shape[2] == 0:
-        raise ValueError(f"q, k: sequence lengths must be positive, got {lq} and {k.shape[2]}")
-    if policy.uses_mx and d % 32 != 0:
-        raise ValueError(
-            f"q: head_dim must be a multiple of 32 for MX formats (policy hi={policy.hi}, lo={policy.lo}), got {d}"
-        )
-    if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise ValueError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-            raise ValueError(f"attn_mask: dtype must be bool or floating point, got {attn_mask.dtype}")
-        if attn_mask.device != q.device:
-            raise ValueError(f"attn_mask must be on q's device ({q.device}), got {attn_mask.device}")
-        try:
-            torch.broadcast_shapes(attn_mask.shape, (b, hq, lq, k.shape[2]))
-        except RuntimeError:
-            raise ValueError(
-                f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to (B, Hq, Lq, Lk) = "
-                f"{(b, hq, lq, k.shape[2])}"
-            ) from None
-        if is_causal:
-            raise ValueError("attn_mask and is_causal=True cannot be used together (as in SDPA)")
-    if not isinstance(is_causal, bool):
-        raise ValueError(f"is_causal must be a bool, got {is_causal!r}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a float or None, got {scale!r}")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise ValueError(
-            "q, k, v: DMA attention has no backward yet; call it under torch.no_grad() or "
-            "torch.inference_mode(), or on tensors that do not require grad"
-        )
+_lib = torch.library.Library("dma", "DEF")
+# flexible_layout: Inductor may hand the op any strides, so every layer of a
+# compiled model shares one mask buffer (and one cached mask classification).
+_lib.define(
+    "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float? scale, str policy, str impl)"
+    " -> Tensor",
+    tags=(torch.Tag.flexible_layout,),
+)
+_lib.impl("attention", _attention, "CompositeExplicitAutograd")
+torch.library.register_fake("dma::attention", _attention_fake, lib=_lib)
 
 
 def dma_attention(
@@ -169,15 +196,33 @@ def dma_attention(
     """Drop-in for `F.scaled_dot_product_attention` (no dropout) running DMA.
 
     policy: an AttentionPolicy, its string form or a preset name; None takes
-    the device's default. impl: "auto" picks the kernel for the GPU (or the
-    reference on CPU and other GPUs); "reference", "sm90" and "sm100" force
-    one, the kernels also on CPU tensors under TRITON_INTERPRET=1. GQA is
-    served whenever q's heads are a multiple of k's.
+    the device's default. impl: "auto" picks the kernel for the GPU (stock
+    SDPA where none serves the call, the reference on CPU); "reference",
+    "sm90" and "sm100" force one, the kernels also on CPU tensors under
+    TRITON_INTERPRET=1. GQA is served whenever q's heads are a multiple of k's.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
-    pol = as_policy(policy, q.device if isinstance(q, torch.Tensor) else None)
-    check_inputs(q, k, v, attn_mask, is_causal, scale, pol, impl)
-    return torch.ops.dma.attention(
-        q, k, v, attn_mask, is_causal, None if scale is None else float(scale), pol.to_string(), impl
-    )
+    check_impl(impl)
+    if torch.compiler.is_compiling():
+        # Raise the ValueError while Dynamo traces, rather than from the fake kernel's run.
+        pol = as_policy(policy, q.device if isinstance(q, torch.Tensor) else None)
+        validate.check_inputs(q, k, v, attn_mask, is_causal, scale, pol, impl)
+        text = pol.to_string()
+    else:
+        # The op checks the rest.
+        validate.check_arguments(q, k, v, attn_mask, is_causal, scale)
+        text = _policy_text(policy, q.device)
+    scale = None if scale is None else float(scale)
+    return torch.ops.dma.attention.default(q, k, v, attn_mask, is_causal, scale, text, impl)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_policy_text(policy: str | None, device: torch.device) -> str:
+    return as_policy(policy, device).to_string()
+
+
+def _policy_text(policy, device: torch.device) -> str:
+    if isinstance(policy, AttentionPolicy):
+        return policy.to_string()
+    if policy is None or isinstance(policy, str):
+        return _cached_policy_text(policy, device)
+    return as_policy(policy, device).to_string()  # raises the ValueError naming the argument

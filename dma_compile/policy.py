@@ -83,6 +83,12 @@ class AttentionPolicy:
         _choice("smooth_k", self.smooth_k, (True, False))
         _choice("scale_rule", self.scale_rule, SCALE_RULES)
         _int_at_least("AttentionPolicy.min_q_len", self.min_q_len, 1)
+        # The string form travels with every op call: build it once.
+        parts = []
+        for name, short in _KEYS.items():
+            value = getattr(self, name)
+            parts.append(f"{short}={int(value) if isinstance(value, bool) else value}")
+        object.__setattr__(self, "_text", ",".join(parts))
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -91,17 +97,13 @@ class AttentionPolicy:
 
     @property
     def uses_mx(self) -> bool:
-        return any(f != "none" for f in self.formats)
+        return self.hi != "none" or self.lo != "none"
 
     def replace(self, **changes: Any) -> "AttentionPolicy":
         return dataclasses.replace(self, **changes)
 
     def to_string(self) -> str:
-        parts = []
-        for name, short in _KEYS.items():
-            value = getattr(self, name)
-            parts.append(f"{short}={int(value) if isinstance(value, bool) else value}")
-        return ",".join(parts)
+        return self._text
 
     __str__ = to_string
 
@@ -110,17 +112,24 @@ class AttentionPolicy:
         """Parse the compact form; keys left out keep their defaults."""
         if not isinstance(text, str):
             raise ValueError(f"policy must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError(
+                f"policy string is empty: expected key=value items with keys in {list(_FIELDS)} "
+                f"or a preset name in {list(PRESETS)}"
+            )
         if text.strip() in PRESETS:
             return cls.preset(text.strip())
         values: dict[str, Any] = {}
-        for item in filter(None, (p.strip() for p in text.split(","))):
+        for item in (p.strip() for p in text.split(",")):
             key, sep, raw = item.partition("=")
             if not sep or key not in _FIELDS:
                 raise ValueError(
-                    f"policy string item {item!r}: expected key=value with key in "
+                    f"policy string item {item!r} in {text!r}: expected key=value with key in "
                     f"{list(_FIELDS)} or a preset name in {list(PRESETS)}"
                 )
             name = _FIELDS[key]
+            if name in values:
+                raise ValueError(f"policy string {text!r}: key {key!r} is given more than once")
             kind = type(getattr(cls, name))
             if kind is bool:
                 if raw not in ("0", "1"):
@@ -195,6 +204,15 @@ def as_policy(policy: "AttentionPolicy | str | None", device: torch.device | str
     )
 
 
+def _layer_index(key: Any) -> int:
+    """A layer key of ModelPolicy.layers: an int >= 0, or its decimal string (JSON keys)."""
+    if isinstance(key, str) and key.strip().isdecimal():
+        key = int(key)
+    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        raise ValueError(f"ModelPolicy.layers: key {key!r} is not a layer index (an integer >= 0)")
+    return key
+
+
 @dataclass
 class ModelPolicy:
     """A default `AttentionPolicy` plus per-layer overrides, saved as JSON.
@@ -210,7 +228,23 @@ class ModelPolicy:
 
     def __post_init__(self) -> None:
         self.default = as_policy(self.default)
-        self.layers = {int(i): as_policy(p) for i, p in self.layers.items()}
+        if not isinstance(self.layers, dict):
+            raise ValueError(
+                "ModelPolicy.layers must map layer indices to policies (a JSON object), "
+                f"got {type(self.layers).__name__}"
+            )
+        layers = {}
+        for key, policy in self.layers.items():
+            index = _layer_index(key)
+            if index in layers:
+                raise ValueError(f"ModelPolicy.layers: layer {index} is given more than once")
+            if policy is None:
+                raise ValueError(f"ModelPolicy.layers[{index}]: expected a policy, got None")
+            try:
+                layers[index] = as_policy(policy)
+            except ValueError as e:
+                raise ValueError(f"ModelPolicy.layers[{index}]: {e}") from None
+        self.layers = layers
         if self.num_layers is not None:
             _int_at_least("ModelPolicy.num_layers", self.num_layers, 1)
             bad = [i for i in self.layers if not 0 <= i < self.num_layers]
@@ -246,7 +280,7 @@ class ModelPolicy:
             raise ValueError("ModelPolicy: expected a JSON object with a 'default' policy")
         return cls(
             default=AttentionPolicy.from_string(data["default"]),
-            layers={int(i): AttentionPolicy.from_string(p) for i, p in data.get("layers", {}).items()},
+            layers=data.get("layers", {}),
             num_layers=data.get("num_layers"),
             stats=data.get("stats"),
         )

@@ -5,8 +5,12 @@ where the op runs the reference.
 """
 
 import logging
+import os
 import re
+import subprocess
+import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 from tiny_models import causal_lm, gpt2
 
+import dma_compile
 import dma_compile.hf
 import dma_compile.ops
 from dma_compile import AttentionPolicy, ModelPolicy, dma_attention
@@ -264,3 +269,98 @@ def test_install_refuses_a_foreign_pass():
             install_inductor_pass()
     finally:
         torch._inductor.config.pre_grad_custom_pass = None
+
+
+def test_compiled_generate_with_inductor_runs_dma_in_every_graph(seed):
+    """The flow of a new user: model.forward compiled with dynamic=True, then
+    generate(). The third graph (a recompile for the new strides of the cache
+    Inductor returned) has two length symbols for the cached keys and values."""
+    model = causal_lm("llama", "sdpa", seed)
+    backend = dma_backend(POLICY, impl="reference")
+    model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert len(backend.reports) >= 3
+    assert all(len(r.rewritten) == 2 and not r.kept for r in backend.reports), [
+        [s.reason for s in r.kept] for r in backend.reports
+    ]
+
+
+WITHOUT_ENTRY_POINT = """
+import importlib.metadata as metadata
+
+installed = metadata.entry_points
+
+
+def entry_points(**selection):  # as in a source checkout that was never pip-installed
+    found = installed(**selection)
+    if "group" not in selection:
+        return found
+    return metadata.EntryPoints(e for e in found if (e.group, e.name) != ("torch_dynamo_backends", "dma"))
+
+
+metadata.entry_points = entry_points
+"""
+COMPILE_BY_NAME = """
+import torch
+import torch.nn.functional as F
+
+import dma_compile
+from dma_compile.backend import _default_backend
+
+
+def attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+with torch.no_grad():
+    out = torch.compile(attention, backend="dma", fullgraph=True)(q, k, v)
+expected = dma_compile.dma_attention(q, k, v, is_causal=True)
+assert torch.allclose(out, expected, atol=1e-6), (out - expected).abs().max()
+print("rewritten", len(_default_backend.reports[-1].rewritten))
+"""
+
+
+def run_python(code: str, cwd) -> str:
+    """Run `code` in a fresh interpreter that finds the package only through PYTHONPATH."""
+    root = Path(dma_compile.__file__).parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_backend_by_name_without_the_entry_point(tmp_path):
+    """`import dma_compile` registers backend="dma" with Dynamo itself."""
+    assert run_python(WITHOUT_ENTRY_POINT + COMPILE_BY_NAME, tmp_path).split() == ["rewritten", "1"]
+
+
+def test_entry_point_loaded_before_import_registers_once(tmp_path):
+    """Dynamo loading the entry point imports the package: that import must not
+    register the name a second time (Dynamo refuses duplicates)."""
+    code = (
+        "import torch._dynamo\n"
+        "backend = torch._dynamo.lookup_backend('dma')\n"
+        "import dma_compile.backend\n"
+        "assert backend is dma_compile.backend.dma_backend, backend\n"
+        "print('ok')\n"
+    )
+    assert run_python(code, tmp_path).split() == ["ok"]
+
+
+@pytest.mark.parametrize(
+    "door",
+    [
+        lambda: dma_backend(None, impl="cuda"),
+        lambda: DmaBackend(None, impl="cuda"),
+        lambda: install_inductor_pass(None, impl="cuda"),
+        lambda: SdpaRewritePass(None, "cuda"),
+    ],
+    ids=["dma_backend", "DmaBackend", "install_inductor_pass", "SdpaRewritePass"],
+)
+def test_unknown_impl_is_refused(door):
+    with pytest.raises(ValueError, match=r"impl must be one of \['auto', 'reference', 'sm90', 'sm100'\], got 'cuda'"):
+        door()
+    assert torch._inductor.config.pre_grad_custom_pass is None

@@ -64,3 +64,8 @@ def test_dropout_runs_sdpa_and_logs_why(seed, caplog):
 def test_register_rejects_unknown_impl():
     with pytest.raises(ValueError, match="impl must be one of"):
         dma_compile.hf.register(impl="triton")
+
+
+def test_unknown_impl_is_refused():
+    with pytest.raises(ValueError, match="impl must be one of .* got 'flash'"):
+        dma_compile.hf.register(None, impl="flash")

@@ -1,10 +1,14 @@
 """The dma::attention custom op and the dma_attention entry point."""
 
+import importlib.util
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dma_compile import AttentionPolicy, dma_attention
+from dma_compile import AttentionPolicy, dma_attention, ops
+from dma_compile.ops import Route
 from dma_compile.reference import dma_attention_reference
 
 POLICY = AttentionPolicy(tile=32, min_q_len=4)
@@ -79,28 +83,86 @@ def test_default_policy_and_strings_are_accepted():
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
+BAD_INPUTS = [
+    (lambda q, k, v: (q[0], k, v, {}), "q must have 4 dimensions"),
+    (lambda q, k, v: (q, k[:, :, :, :32], v, {}), "k: head_dim must match"),
+    (lambda q, k, v: (q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1), {}), "must divide"),
+    (lambda q, k, v: (q, k[:, :0], v[:, :0], {}), "k: the number of KV heads must be positive"),
+    (lambda q, k, v: (q, k[:1].expand(2, -1, -1, -1), v, {}), "k, v: batch size must match"),
+    (lambda q, k, v: (q.to(torch.int32), k.to(torch.int32), v.to(torch.int32), {}), "q: dtype must be one of"),
+    (lambda q, k, v: (q, k.half(), v, {}), "k, v: dtype must match"),
+    (lambda q, k, v: (q, k, v[:, :, :7], {}), "v: \\(batch, heads, length\\) must match"),
+    (lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(3, 40, 40, dtype=torch.bool)}), "not broadcastable"),
+    (lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(40, 41, dtype=torch.bool)}), "not broadcastable"),
+    (lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(40, 40, dtype=torch.int64)}), "attn_mask: dtype"),
+    (lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(40, 40, dtype=torch.bool), "is_causal": True}), "cannot be used together"),
+    (lambda q, k, v: (q, k, v, {"impl": "cuda"}), "impl must be one of"),
+    (lambda q, k, v: (q.double(), k.double(), v.double(), {}), "q: dtype must be one of .* with impl='auto'"),
+    (lambda q, k, v: (q[..., :48], k[..., :48], v, {}), "multiple of 32 for MX formats"),
+]
+
+
+def op_arguments(q, k, v, kwargs, device=None):
+    args = (q, k, v, kwargs.get("attn_mask"), kwargs.get("is_causal", False), None, POLICY.to_string(), kwargs.get("impl", "auto"))
+    return tuple(a.to(device) if device and isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("change,msg", BAD_INPUTS)
+def test_bad_input_names_the_argument_at_both_doors(change, msg):
+    """dma_attention, the op called directly and the op's fake kernel (meta
+    tensors, as torch.compile runs it) raise the same ValueError."""
+    q, k, v, kwargs = change(*qkv())
+    with pytest.raises(ValueError, match=msg):
+        dma_attention(q, k, v, policy=POLICY, **kwargs)
+    for device in (None, "meta"):
+        with pytest.raises(ValueError, match=msg):
+            torch.ops.dma.attention(*op_arguments(q, k, v, kwargs, device))
+
+
 @pytest.mark.parametrize(
-    "change,msg",
+    "kwargs,msg",
     [
-        (lambda q, k, v: (q[0], k, v, {}), "q must have 4 dimensions"),
-        (lambda q, k, v: (q, k[:, :, :, :32], v, {}), "k: head_dim must match"),
-        (lambda q, k, v: (q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1), {}), "must divide"),
-        (lambda q, k, v: (q.to(torch.int32), k, v, {}), "q: dtype must be one of"),
-        (lambda q, k, v: (q, k.half(), v, {}), "k, v: dtype must match"),
-        (lambda q, k, v: (q, k, v[:, :, :7], {}), "v: \\(batch, heads, length\\) must match"),
-        (lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(3, 40, 40, dtype=torch.bool)}), "not broadcastable"),
-        (lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(40, 40, dtype=torch.int64)}), "attn_mask: dtype"),
-        (lambda q, k, v: (q, k, v, {"attn_mask": torch.ones(40, 40, dtype=torch.bool), "is_causal": True}), "cannot be used together"),
-        (lambda q, k, v: (q, k, v, {"impl": "cuda"}), "impl must be one of"),
-        (lambda q, k, v: (q, k, v, {"policy": 3}), "policy must be"),
-        (lambda q, k, v: (q[..., :48], k[..., :48], v, {}), "multiple of 32 for MX formats"),
+        ({"policy": 3}, "policy must be"),
+        ({"policy": "tile=32,tile=64"}, "given more than once"),
+        ({"scale": "0.1"}, "scale must be a float or None"),
+        ({"is_causal": 1}, "is_causal must be a bool"),
+        ({"attn_mask": [[True]]}, "attn_mask must be a torch.Tensor or None"),
     ],
 )
-def test_bad_input_names_the_argument(change, msg):
-    q, k, v = qkv()
-    q, k, v, kwargs = change(q, k, v)
+def test_bad_arguments_of_dma_attention(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
-        dma_attention(q, k, v, **kwargs)
+        dma_attention(*qkv(), **kwargs)
+
+
+def test_fake_kernel_serves_valid_meta_inputs():
+    q, k, v = (x.to("meta") for x in qkv(lq=24, d=64))
+    out = torch.ops.dma.attention(q, k, v, None, True, None, POLICY.to_string(), "auto")
+    assert out.device.type == "meta" and out.shape == (1, 4, 24, 64)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(b=0), dict(lq=0), dict(hq=0, hkv=0), dict(lk=0)],
+    ids=["batch-0", "no-queries", "no-heads", "no-keys"],
+)
+def test_empty_inputs_give_what_sdpa_gives(shape):
+    q, k, v = qkv(**shape)
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for impl in ("auto", "reference"):
+        out = dma_attention(q, k, v, policy=POLICY, impl=impl)
+        assert out.shape == expected.shape and torch.equal(out, expected), impl
+
+
+def test_mask_with_is_causal_is_refused_as_sdpa_documents_it():
+    """The error message says SDPA's math backend refuses the pair: keep it true."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = qkv(hkv=4)
+    mask = torch.rand(40, 40) > 0.3
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    with pytest.raises(ValueError, match="SDPA documents the pair as an error .* fold the causal rule into attn_mask"):
+        dma_attention(q, k, v, attn_mask=mask, is_causal=True)
 
 
 def test_inputs_requiring_grad_are_refused():
@@ -123,3 +185,86 @@ def test_head_dim_not_multiple_of_32_runs_with_formats_off(seed):
     out = dma_attention(q, k, v, is_causal=True, policy="exact")
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.allclose(out, ref, atol=1e-5), f"seed {seed}"
+
+
+CAUSAL = AttentionPolicy(tile=32, min_q_len=16)
+
+
+@pytest.mark.parametrize(
+    "impl, device, capability, short_query, expected",
+    [
+        ("auto", "cpu", None, False, Route(fallback="reference")),
+        ("auto", "cuda", (9, 0), False, Route(kernels=("sm90",), fallback="sdpa")),
+        ("auto", "cuda", (10, 0), False, Route(kernels=("sm100",), fallback="sdpa")),
+        ("auto", "cuda", (8, 0), False, Route(fallback="sdpa", reason="no DMA kernel for compute capability 8.0")),
+        ("auto", "cuda", (12, 0), False, Route(fallback="sdpa", reason="no DMA kernel for compute capability 12.0")),
+        ("auto", "mps", None, False, Route(fallback="sdpa", reason="no DMA kernel for mps tensors")),
+        ("auto", "cuda", (9, 0), True, Route(fallback="sdpa")),
+        ("auto", "cpu", None, True, Route(fallback="sdpa")),
+        ("reference", "cuda", (9, 0), False, Route(fallback="reference")),
+        ("reference", "cuda", (9, 0), True, Route(fallback="reference")),
+        ("sm100", "cuda", (9, 0), False, Route(kernels=("sm100",))),
+        ("sm90", "cpu", None, True, Route(kernels=("sm90",))),
+        # The Gluon kernel runs only when asked for (BENCHMARKS.md: not yet faster than sm90's).
+        ("sm90_gluon", "cuda", (9, 0), False, Route(kernels=("sm90_gluon",))),
+    ],
+)
+def test_routing_decision(impl, device, capability, short_query, expected):
+    assert ops.route(impl, device, capability, short_query) == expected
+
+
+def test_every_kernel_is_an_impl():
+    assert ops.IMPLS == ("auto", "reference", *ops.KERNELS)
+    for kernel in ops.KERNELS.values():
+        assert importlib.util.find_spec(kernel.module) is not None
+
+
+def test_unsupported_kernel_falls_back_to_stock_sdpa_logged_once(monkeypatch, caplog, seed):
+    """On a GPU a kernel that cannot serve the call (head_dim 96 on sm90, say)
+    hands it to stock SDPA, with the same mask and scale, and says why once."""
+    from dma_compile.kernels import Unsupported
+
+    def kernel(*args):
+        raise Unsupported("head_dim 96 is not served")
+
+    monkeypatch.setattr(ops, "_kernel", lambda name: kernel)
+    ops._warn_fallback_once.cache_clear()
+    q, k, v = qkv(d=96)
+    mask = torch.rand(1, 1, 40, 40) > 0.3
+    plan = Route(kernels=("sm90",), fallback="sdpa")
+    with caplog.at_level(logging.WARNING, logger="dma_compile.ops"):
+        for _ in range(3):
+            out = ops.run(plan, q, k, v, mask, False, 0.3, CAUSAL)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    assert torch.equal(out, expected), f"seed {seed}"
+    assert [r.getMessage() for r in caplog.records] == [
+        "dma attention: stock SDPA runs instead of the kernel: sm90: head_dim 96 is not served"
+    ]
+    with pytest.raises(Unsupported, match="head_dim 96"):
+        ops.run(Route(kernels=("sm90",)), q, k, v, mask, False, 0.3, CAUSAL)
+
+
+def test_gpu_without_a_kernel_runs_stock_sdpa(caplog, seed):
+    ops._warn_fallback_once.cache_clear()
+    q, k, v = qkv()
+    plan = ops.route("auto", "cuda", (8, 0), False)
+    with caplog.at_level(logging.WARNING, logger="dma_compile.ops"):
+        out = ops.run(plan, q, k, v, None, True, None, CAUSAL)
+        ops.run(plan, q, k, v, None, True, None, CAUSAL)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)), f"seed {seed}"
+    assert len(caplog.records) == 1 and "compute capability 8.0" in caplog.records[0].getMessage()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, dtype", [(96, torch.bfloat16), (128, torch.float32)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_auto_on_the_gpu_runs_stock_sdpa_where_no_kernel_serves(caplog, seed, head_dim, dtype, masked):
+    ops._warn_fallback_once.cache_clear()
+    q, k, v = (x.cuda() for x in qkv(lq=300, lk=300, d=head_dim, dtype=dtype))
+    mask = torch.ones(300, 300, dtype=torch.bool, device="cuda").tril() if masked else None
+    with caplog.at_level(logging.WARNING, logger="dma_compile.ops"):
+        out = dma_attention(q, k, v, attn_mask=mask, is_causal=not masked, policy="exact")
+    k4, v4 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    expected = F.scaled_dot_product_attention(q, k4, v4, attn_mask=mask, is_causal=not masked)
+    torch.testing.assert_close(out, expected, msg=f"seed {seed}")
+    assert any("stock SDPA runs instead of the kernel" in r.getMessage() for r in caplog.records)

@@ -315,3 +315,80 @@ def test_bind_sdpa_args_rejects_unknown_keywords():
     assert bind_sdpa_args(node) is None
     node = graph.call_function(torch._C._nn.scaled_dot_product_attention, (q, k, v, None, 0.0), {"is_causal": True})
     assert bind_sdpa_args(node)["is_causal"] is True and bind_sdpa_args(node)["scale"] is None
+
+
+def assert_every_graph_rewritten(backend, layers):
+    assert backend.reports, "nothing was compiled"
+    for i, report in enumerate(backend.reports):
+        assert not report.kept, f"graph {i} kept SDPA: {[s.reason for s in report.kept]}"
+        assert len(report.rewritten) == layers, f"graph {i}: {len(report.rewritten)} of {layers} layers rewritten"
+
+
+# Once Inductor has compiled a forward, the cache tensors it returns have new
+# strides; the recompile that follows gives the cached keys and values two
+# length symbols. Without duck shaping every graph has them, no Inductor needed.
+no_duck_shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
+
+
+@no_duck_shapes
+def test_compiled_generate_rewrites_every_graph(seed):
+    """model.forward compiled with dynamic=True, then generate(): the prefill and
+    the decode graphs (whose cache K and V lengths are two symbols) run the op."""
+    policy = ModelPolicy(default=AttentionPolicy(tile=32))
+    model = causal_lm("llama", "sdpa", seed)
+    backend = Captured(policy)
+    model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
+    ids, mask = inputs(seed, length=40)
+    dma_compile.hf.register(policy, impl="reference")
+    eager = causal_lm("llama", "dma", seed)
+    settings = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(ids, **settings)
+        ref = eager.generate(ids, **settings)
+    assert len(backend.reports) >= 2
+    assert_every_graph_rewritten(backend, layers=2)
+    assert torch.equal(out.sequences, ref.sequences), f"seed {seed}"
+    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=f"seed {seed} step {step}")
+
+
+@no_duck_shapes
+def test_prefill_into_a_filled_cache_and_chunked_prefill(seed):
+    """Chunks of 30, 50 and 20 tokens into one DynamicCache (the later chunks
+    attend to the cached keys): every graph runs the op, with eager DMA's output."""
+    from transformers import DynamicCache
+
+    policy = ModelPolicy(default=AttentionPolicy(tile=32))
+    model = causal_lm("llama", "sdpa", seed)
+    backend = Captured(policy)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    dma_compile.hf.register(policy, impl="reference")
+    eager = causal_lm("llama", "dma", seed)
+    ids, _ = inputs(seed, batch=1, length=100, padded=False)
+    caches = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        for start, end in ((0, 30), (30, 80), (80, 100)):
+            chunk = ids[:, start:end]
+            out = compiled(chunk, cache=caches[0], use_cache=True).logits
+            ref = eager(chunk, cache=caches[1], use_cache=True).logits
+            torch.testing.assert_close(out, ref, rtol=0, atol=2e-5, msg=f"seed {seed} chunk {start}:{end}")
+    assert_every_graph_rewritten(backend, layers=2)
+
+
+@no_duck_shapes
+def test_kv_lengths_of_two_symbols_are_checked_at_run_time(seed):
+    backend = Captured(ModelPolicy(default=AttentionPolicy(tile=32)))
+    compiled = torch.compile(Attention(), backend=backend, fullgraph=True)
+    q, k, v = qkv()
+    torch._dynamo.mark_dynamic(k, 2)
+    torch._dynamo.mark_dynamic(v, 2)
+    torch.testing.assert_close(compiled(q, k, v), Attention()(q, k, v), rtol=0.05, atol=0.05, msg=f"seed {seed}")
+    assert len(backend.ops()) == 2 and len(backend.graphs) == 1
+    with pytest.raises(ValueError, match=r"v: \(batch, heads, length\) must match k's \(2, 4, 37\), got \(2, 4, 30\)"):
+        compiled(q, k, v[:, :, :30].contiguous())
+    assert len(backend.graphs) == 1
+
+
+def test_unknown_impl_is_refused():
+    with pytest.raises(ValueError, match="impl must be one of .* got 'sm80'"):
+        rewrite_sdpa(torch.fx.Graph(), None, impl="sm80")

@@ -57,7 +57,19 @@ def test_string_partial_keys_and_presets():
     assert AttentionPolicy.from_string("hopper") == AttentionPolicy.hopper()
 
 
-@pytest.mark.parametrize("text,msg", [("tile=abc", "integer"), ("foo=1", "expected key=value"), ("smooth=2", "0 or 1"), ("hi=int8", "hi must be one of")])
+@pytest.mark.parametrize(
+    "text,msg",
+    [
+        ("tile=abc", "integer"),
+        ("foo=1", "expected key=value"),
+        ("smooth=2", "0 or 1"),
+        ("hi=int8", "hi must be one of"),
+        ("", "policy string is empty"),
+        ("  ", "policy string is empty"),
+        ("tile=64,diag=2,tile=128", "key 'tile' is given more than once"),
+        ("tile=64,,diag=2", "item '' in 'tile=64,,diag=2'"),
+    ],
+)
 def test_bad_strings(text, msg):
     with pytest.raises(ValueError, match=msg):
         AttentionPolicy.from_string(text)
@@ -103,3 +115,30 @@ def test_formats_property():
 
 def test_policy_hashable_for_caches():
     assert len({AttentionPolicy(), AttentionPolicy(), AttentionPolicy.hopper()}) == 2
+
+
+@pytest.mark.parametrize(
+    "layers,msg",
+    [
+        ([AttentionPolicy().to_string()], "ModelPolicy.layers must map layer indices to policies .* got list"),
+        ({"-1": "paper"}, "key '-1' is not a layer index"),
+        ({"first": "paper"}, "key 'first' is not a layer index"),
+        ({"1.5": "paper"}, "key '1.5' is not a layer index"),
+        ({"2": "tile=7"}, r"ModelPolicy.layers\[2\]: AttentionPolicy.tile must be one of"),
+        ({"2": None}, r"ModelPolicy.layers\[2\]: expected a policy"),
+        ({"1": "paper", "01": "hopper"}, "layer 1 is given more than once"),
+    ],
+)
+def test_model_policy_json_layers_are_checked(tmp_path, layers, msg):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"default": "paper", "layers": layers}))
+    with pytest.raises(ValueError, match=msg):
+        ModelPolicy.load(path)
+
+
+def test_model_policy_layer_keys_in_python():
+    assert ModelPolicy(layers={"3": "hopper", 0: AttentionPolicy()}).layers == {3: AttentionPolicy.hopper(), 0: AttentionPolicy()}
+    with pytest.raises(ValueError, match="key -1 is not a layer index"):
+        ModelPolicy(layers={-1: AttentionPolicy()})
+    with pytest.raises(ValueError, match="key True is not a layer index"):
+        ModelPolicy(layers={True: AttentionPolicy()})

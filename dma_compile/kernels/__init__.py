@@ -3,7 +3,7 @@
 `quantize` is the fused quantization pass over Q, K and V, `masks` classifies
 explicit attention masks into blocks, `attention_sm90` is the Hopper kernel.
 A kernel that cannot serve a call raises `Unsupported`; `impl="auto"` then
-falls back to the reference.
+falls back to stock SDPA (dma_compile.ops.run).
 """
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-import dma_compile.ops  # registers torch.ops.dma.attention
+from dma_compile.ops import INPUT_DTYPES, check_impl  # also registers torch.ops.dma.attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,6 @@ SDPA_TARGETS = (
 )
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 256
 MX_BLOCK = 32
 
@@ -271,7 +270,9 @@ def unsupported_reason(args: dict, policy: AttentionPolicy) -> str | None:
         return f"head_dim {head_dim} is not a multiple of {MX_BLOCK} (the policy uses MX formats)"
     if not (_same(k.shape[0], q.shape[0]) and _same(v.shape[0], q.shape[0])):
         return "batch sizes of query/key/value differ (SDPA broadcasting)"
-    if not (_same(k.shape[1], v.shape[1]) and _same(k.shape[2], v.shape[2])):
+    # A KV cache's keys and values carry two length symbols that no guard ties
+    # together: the op checks their equality at run time.
+    if not _same(k.shape[1], v.shape[1]) or statically_known_true(k.shape[2] != v.shape[2]):
         return "key and value differ in heads or length"
     heads = f"({q.shape[1]} query, {k.shape[1]} key/value)"
     if enable_gqa and not statically_known_true(q.shape[1] % k.shape[1] == 0):
@@ -379,8 +380,7 @@ def rewrite_sdpa(graph: fx.Graph, policy: ModelPolicy | None = None, impl: str =
     policy: per-layer policies; None takes `default_policy` of each call's
     device. impl: the op's `impl` argument ("auto" picks the kernel).
     """
-    if impl not in dma_compile.ops.IMPLS:
-        raise ValueError(f"impl must be one of {list(dma_compile.ops.IMPLS)}, got {impl!r}")
+    check_impl(impl)
     report = RewriteReport()
     for node in [n for n in graph.nodes if is_sdpa(n)]:
         name, path = node.name, module_path(node)
