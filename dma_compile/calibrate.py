@@ -350,14 +350,17 @@ class LayerScorer:
                 scores = scores.clone()
             else:
                 scores = torch.where(high[r0:r1, :seen], scores, s_lo[..., r0:r1, :seen])
-            p = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+            # P over all lk keys (zeros past `seen`), as the reference sums it:
+            # a shorter sum may round its last bit differently.
+            p = scores.new_zeros(*scores.shape[:-1], lk)
+            p[..., :seen] = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
             row_sum = p.sum(dim=-1, keepdim=True)
             if policy.pv == "fp8":
                 # e4m3 rounding of P*256 <= 256 is in range, where the cast is exact RNE.
                 p8 = (p * P_FP8_SCALE).to(torch.float8_e4m3fn).float()
-                tile_out = torch.matmul(p8, values[..., :seen, :]) * (v_scale / P_FP8_SCALE)
+                tile_out = torch.matmul(p8, values) * (v_scale / P_FP8_SCALE)
             else:
-                tile_out = torch.matmul(p.to(v.dtype).float(), values[..., :seen, :])
+                tile_out = torch.matmul(p.to(v.dtype).float(), values)
             yield r0, r1, (tile_out / row_sum).to(q.dtype)
 
     def output(self, index: int, policy: AttentionPolicy) -> torch.Tensor:
