@@ -71,3 +71,39 @@ def decode(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, head_di
     exp = scales.to(torch.int32) - E8M0_BIAS
     out = torch.ldexp(payload.view(torch.float8_e4m3fn).float(), exp.unsqueeze(-1).float())
     return torch.where((scales == E8M0_NAN).unsqueeze(-1), float("nan"), out)
+
+
+def high_slots(positions: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Slot of each position in a store's input-dtype part: the sinks at their
+    positions, the recent window a ring after them."""
+    if recent == 0:
+        return positions
+    return torch.where(positions < sink, positions, sink + positions % recent)
+
+
+def stored_values(
+    payload: torch.Tensor,
+    scales: torch.Tensor | None,
+    high: torch.Tensor | None,
+    lengths: torch.Tensor,
+    max_length: int,
+    sink: int,
+    recent: int,
+    fmt: str,
+) -> torch.Tensor:
+    """Float32 (B, H, max_length, D) values a store (dma_compile.kv_cache) holds.
+
+    payload/scales: every position in `fmt`; high (B, H, sink + recent, D) or
+    None: the sinks and recent window in the input dtype, which win where they
+    apply (position < sink or >= lengths[b] - recent). Positions past a
+    sequence's length read whatever is stored there.
+    """
+    head_dim = payload.shape[-1] * (2 if fmt == "mxfp4_e2m1" else 1)
+    scales = None if scales is None else scales[:, :, :max_length]
+    out = decode(payload[:, :, :max_length], scales, fmt, head_dim)
+    if high is None:
+        return out
+    pos = torch.arange(max_length, device=payload.device)
+    hi = high[:, :, high_slots(pos, sink, recent).clamp(max=high.shape[2] - 1)].float()
+    use = (pos[None, :] < sink) | ((pos[None, :] >= lengths[:, None] - recent) & (recent > 0))
+    return torch.where(use[:, None, :, None], hi, out)
