@@ -218,7 +218,7 @@ def _decode_split_kernel(
             kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, D, BLOCK_N, HW_CVT)
 
     part = (pid * n_chunks + chunk) * BLOCK_M + rows
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O_PART + part[:, None] * D + d[None, :], out, mask=row_ok[:, None])
     tl.store(LSE_PART + part, lse, mask=row_ok)
