@@ -121,6 +121,19 @@ class QuantizedKV:
         self.lengths += count.to(torch.int32)
         self.max_length = max(self.max_length, new_max)
 
+    def grow(self, capacity: int) -> None:
+        """Reallocate to hold `capacity` tokens per sequence, keeping the contents."""
+        if _positive_int("capacity", capacity) < self.max_length:
+            raise ValueError(f"capacity must be >= the cached length {self.max_length}, got {capacity}")
+        old = {name: getattr(self, name) for name in ("k_payload", "k_scales", "v_payload", "v_scales")}
+        self.capacity = capacity
+        self.k_payload, self.k_scales = self._alloc(self.policy.cache_k)
+        self.v_payload, self.v_scales = self._alloc(self.policy.cache_v)
+        n = self.max_length
+        for name, x in old.items():
+            if x is not None:
+                getattr(self, name)[:, :, :n] = x[:, :, :n]
+
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as the cache holds them, float32 (batch, kv_heads, max_length, head_dim)."""
         common = (self.lengths, self.max_length, self.sink, self.recent)

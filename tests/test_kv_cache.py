@@ -68,3 +68,17 @@ def test_bad_input():
         cache.append(torch.zeros(2, 2, 1, 32).bfloat16(), torch.zeros(2, 2, 1, 32).bfloat16(), torch.tensor([2, 0]))
     with pytest.raises(ValueError, match="capacity must be an int"):
         QuantizedKV(1, 1, 32, capacity=0)
+
+
+def test_grow_keeps_the_contents(seed):
+    cache = QuantizedKV(1, 2, 32, capacity=10, policy=POLICY)
+    k, v = torch.randn(1, 2, 10, 32).bfloat16(), torch.randn(1, 2, 10, 32).bfloat16()
+    cache.append(k, v)
+    before = cache.values()
+    cache.grow(30)
+    cache.append(k, v)
+    after = cache.values()
+    assert cache.capacity == 30 and cache.max_length == 20
+    assert torch.equal(after[0][:, :, :10], before[0]) and torch.equal(after[1][:, :, :10], before[1])
+    with pytest.raises(ValueError, match="capacity must be >="):
+        cache.grow(5)
