@@ -130,14 +130,15 @@ def _pv(
 def _attend_range(
     acc, m_i, l_i, q, q_even, q_odd, start, end, qpos, slot_base, ring,
     kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """Online softmax over keys [start, end). A position p lives at slot p of
-    the store, or at slot_base + p % ring when ring > 0 (the recent window)."""
+    the store, or with RING at slot_base + p % ring (the recent window)."""
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
-        if ring > 0:
+        if RING:
             slot = slot_base + pos % ring
         else:
             slot = pos
@@ -201,21 +202,21 @@ def _decode_split_kernel(
             hk = HK + b * shb + h * shh
             hv = HV + b * shb + h * shh
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q, q, 0, lo_start, qpos, 0, 0, hk, hk, hv, hv, sht, 0, sht, 0, sm_scale,
-                0, 0, D, BLOCK_N, HW_CVT)
+                acc, m_i, l_i, q, q, q, 0, lo_start, qpos, 0, 1, hk, hk, hv, hv, sht, 0, sht, 0, sm_scale,
+                0, 0, False, D, BLOCK_N, HW_CVT)
             acc, m_i, l_i = _attend_range(
                 acc, m_i, l_i, q, q, q, lo_end, length, qpos, SINK, RECENT, hk, hk, hv, hv, sht, 0, sht, 0,
-                sm_scale, 0, 0, D, BLOCK_N, HW_CVT)
+                sm_scale, 0, 0, True, D, BLOCK_N, HW_CVT)
         else:
             start = lo_start + (chunk - 1) * CHUNK
             acc, m_i, l_i = _attend_range(
                 acc, m_i, l_i, q, q_even, q_odd, start, tl.minimum(lo_end, start + CHUNK), qpos, 0, 0,
-                kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, D, BLOCK_N, HW_CVT)
+                kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, BLOCK_N, HW_CVT)
     else:
         start = chunk * CHUNK
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_even, q_odd, start, tl.minimum(length, start + CHUNK), qpos, 0, 0,
-            kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, D, BLOCK_N, HW_CVT)
+            kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, BLOCK_N, HW_CVT)
 
     part = (pid * n_chunks + chunk) * BLOCK_M + rows
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
