@@ -9,6 +9,7 @@ backend="dma")` rewrites a model's SDPA calls into it.
 from dma_compile.calibrate import calibrate
 from dma_compile.formats import quantize_mx
 from dma_compile.ops import dma_attention
+from dma_compile.ops_decode import decode_attention  # registers dma::decode_attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "AttentionPolicy",
     "ModelPolicy",
     "calibrate",
+    "decode_attention",
     "default_policy",
     "dma_attention",
     "quantize_mx",

@@ -9,8 +9,9 @@ window nothing moves: its quantized copy is already there, and the decode
 kernel simply stops reading the ring slot for it. With both formats "none"
 there is no separate input-dtype part.
 
-Appending quantizes with `cache_formats.encode` (torch ops, formats.py's
-rounding). Sequences may have different lengths: `append(..., num_tokens=)`.
+Appending quantizes through `torch.ops.dma.encode_cache_tokens` (formats.py's
+rounding: the Triton quantization passes on CUDA). Sequences may have
+different lengths: `append(..., num_tokens=)`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from dma_compile import cache_formats
-from dma_compile.ops_decode import decode_attention
+from dma_compile.ops_decode import decode_attention, encode_cache_tokens
 from dma_compile.policy import AttentionPolicy, as_policy
 
 
@@ -82,43 +83,53 @@ class QuantizedKV:
         if x.dtype != self.dtype or x.device != self.device:
             raise ValueError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, num_tokens: torch.Tensor | None = None) -> None:
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, num_tokens: torch.Tensor | None = None, impl: str = "auto"
+    ) -> None:
         """Write k, v (batch, kv_heads, T, head_dim) after each sequence's tokens.
 
         num_tokens (batch,): how many of the T tokens each sequence takes (the
-        first ones); all T when None.
+        first ones); all T when None. impl: how tokens are quantized
+        (`ops_decode.encode_cache_tokens`). With num_tokens None and T within
+        the recent window (decode steps) nothing waits for the GPU.
         """
         self._check("k", k)
         self._check("v", v)
         if k.shape != v.shape:
             raise ValueError(f"v: shape must match k's {tuple(k.shape)}, got {tuple(v.shape)}")
         t = k.shape[2]
-        count = torch.full((self.batch,), t, device=self.device) if num_tokens is None else num_tokens.to(self.device)
-        if count.shape != (self.batch,) or bool(((count < 0) | (count > t)).any()):
-            raise ValueError(f"num_tokens must be (batch,) = ({self.batch},) values in 0..{t}")
-        new_max = int((self.lengths + count).max())
+        step = torch.arange(t, device=self.device)
+        if num_tokens is None and (self.hi_k is None or t <= self.recent):
+            count = None
+            new_max = self.max_length + t
+            bi = torch.arange(self.batch, device=self.device)[:, None].expand(self.batch, t)
+            ti = step[None, :].expand(self.batch, t)
+        else:
+            count = torch.full((self.batch,), t, device=self.device) if num_tokens is None else num_tokens.to(self.device)
+            if count.shape != (self.batch,) or bool(((count < 0) | (count > t)).any()):
+                raise ValueError(f"num_tokens must be (batch,) = ({self.batch},) values in 0..{t}")
+            new_max = int((self.lengths + count).max())
+            bi, ti = (step[None, :] < count[:, None]).nonzero(as_tuple=True)
         if new_max > self.capacity:
             raise ValueError(f"the cache holds {self.capacity} tokens per sequence; appending would need {new_max}")
-        step = torch.arange(t, device=self.device)
-        pos = self.lengths[:, None].long() + step[None, :]
-        bi, ti = (step[None, :] < count[:, None]).nonzero(as_tuple=True)
-        p = pos[bi, ti]
+        p = self.lengths[bi].long() + ti
         for x, fmt, payload, scales in (
             (k, self.policy.cache_k, self.k_payload, self.k_scales),
             (v, self.policy.cache_v, self.v_payload, self.v_scales),
         ):
-            enc, sc = cache_formats.encode(x[bi, :, ti], fmt, self.policy.scale_rule)
+            enc, sc = encode_cache_tokens(x[bi, :, ti], fmt, self.policy.scale_rule, impl)
             payload[bi, :, p] = enc
             if sc is not None:
                 scales[bi, :, p] = sc
         if self.hi_k is not None:
-            # The sinks, and the last `recent` new tokens (older ones would share ring slots).
-            keep = (p < self.sink) | (ti >= count[bi] - self.recent)
-            hb, ht, hp = bi[keep], ti[keep], p[keep]
-            slot = cache_formats.high_slots(hp, self.sink, self.recent)
-            self.hi_k[hb, :, slot] = k[hb, :, ht]
-            self.hi_v[hb, :, slot] = v[hb, :, ht]
-        self.lengths += count.to(torch.int32)
+            if count is not None:
+                # The sinks, and the last `recent` new tokens (older ones would share ring slots).
+                keep = (p < self.sink) | (ti >= count[bi] - self.recent)
+                bi, ti, p = bi[keep], ti[keep], p[keep]
+            slot = cache_formats.high_slots(p, self.sink, self.recent)
+            self.hi_k[bi, :, slot] = k[bi, :, ti]
+            self.hi_v[bi, :, slot] = v[bi, :, ti]
+        self.lengths += t if count is None else count.to(torch.int32)
         self.max_length = max(self.max_length, new_max)
 
     def grow(self, capacity: int) -> None:

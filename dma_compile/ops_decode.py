@@ -1,11 +1,14 @@
-"""The `dma::decode_attention` custom op: decode over a quantized KV cache.
+"""The KV-cache custom ops: `dma::decode_attention` and `dma::encode_cache_tokens`.
 
-The second door to the kernels (beside `dma::attention` in ops.py): it takes
-the tensors of a `dma_compile.kv_cache.QuantizedKV` and picks the split-K
-decode kernel on CUDA, the reference (cache_formats.stored_values, then
-reference.decode_attention_math) on the CPU. On a GPU, a call the kernel
-cannot serve runs stock SDPA over the dequantized cache, logged once.
-The cache formats travel in the policy string, like the prefill op's policy.
+The second door to the kernels (beside `dma::attention` in ops.py).
+`decode_attention` takes the tensors of a `dma_compile.kv_cache.QuantizedKV`
+and picks the split-K decode kernel on CUDA, the reference
+(cache_formats.stored_values, then reference.decode_attention_math) on the
+CPU. On a GPU, a call the kernel cannot serve runs stock SDPA over the
+dequantized cache, logged once. The cache formats travel in the policy
+string, like the prefill op's policy. `encode_cache_tokens` writes tokens in
+a cache format: the Triton quantization passes on CUDA (one launch, the
+same bits), `cache_formats.encode` elsewhere.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dma_compile.cache_formats import stored_values
+from dma_compile.cache_formats import encode, stored_values
+from dma_compile.formats import E8M0_BIAS, E8M0_NAN
 from dma_compile.policy import AttentionPolicy
 from dma_compile.reference import decode_attention_math
 
 logger = logging.getLogger(__name__)
 
 IMPLS = ("auto", "reference", "triton")
+ENCODED_FORMATS = ("mxfp8_e4m3", "mxfp4_e2m1")
 
 
 @functools.lru_cache(maxsize=256)
@@ -133,3 +138,48 @@ def decode_attention(
         q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, int(max_length), int(sink), int(recent),
         policy.to_string(), None if scale is None else float(scale), impl,
     )
+
+
+@torch.library.custom_op("dma::encode_cache_tokens", mutates_args=())
+def encode_cache_tokens_op(x: torch.Tensor, fmt: str, scale_rule: str, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, scales) of tokens x (..., D); see `encode_cache_tokens`."""
+    if impl == "auto":
+        impl = "triton" if x.device.type == "cuda" else "reference"
+    if impl == "reference":
+        return encode(x, fmt, scale_rule)
+    from dma_compile.kernels.quantize import quantize_tokens
+    from dma_compile.kernels.quantize_mx import quantize_payloads
+
+    flat = x.reshape(1, 1, -1, x.shape[-1])
+    if fmt == "mxfp4_e2m1":
+        op = quantize_payloads(flat, (fmt,), scale_rule)[fmt]
+        return op.payload.reshape(*x.shape[:-1], -1), op.scales.reshape(*x.shape[:-1], -1)
+    op = quantize_tokens(flat, (fmt,), "folded", scale_rule)[fmt]
+    # A token with a NaN/Inf block has exponent 128 (formats.fold_mx): it reads back NaN.
+    exps = op.exponents.reshape(x.shape[:-1])
+    scales = torch.where(exps > E8M0_BIAS, E8M0_NAN, exps + E8M0_BIAS).to(torch.uint8)
+    return op.values.view(torch.uint8).reshape(x.shape), scales
+
+
+@encode_cache_tokens_op.register_fake
+def _(x, fmt, scale_rule, impl):
+    if fmt == "mxfp4_e2m1":
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8), x.new_empty(
+            (*x.shape[:-1], x.shape[-1] // 32), dtype=torch.uint8
+        )
+    return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape[:-1], dtype=torch.uint8)
+
+
+def encode_cache_tokens(x: torch.Tensor, fmt: str, scale_rule: str = "rceil", impl: str = "auto"):
+    """Tokens x (..., D) in cache format `fmt` (cache_formats): (payload, scales),
+    or (x, None) for "none"."""
+    if fmt == "none":
+        return x, None
+    if fmt not in ENCODED_FORMATS:
+        raise ValueError(f"fmt must be one of {['none', *ENCODED_FORMATS]}, got {fmt!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    d = x.shape[-1]
+    if impl != "reference" and (d % 32 or d & (d - 1)):
+        impl = "reference"  # the Triton passes take power-of-two head dims
+    return torch.ops.dma.encode_cache_tokens(x.contiguous(), fmt, scale_rule, impl)

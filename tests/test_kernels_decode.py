@@ -78,3 +78,23 @@ def test_op_door_routes_to_the_kernel(seed):
     torch.testing.assert_close(cache.attend(q, impl="triton").float(), ref.float(), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="impl must be one of"):
         cache.attend(q, impl="cuda")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+@pytest.mark.parametrize("scale_rule", ["rceil", "floor"])
+def test_encode_kernel_is_bit_exact(fmt, scale_rule, seed):
+    from dma_compile import cache_formats
+    from dma_compile.ops_decode import encode_cache_tokens
+
+    x = (torch.randn(3, 5, 64, device=DEVICE) * torch.exp2(torch.randint(-20, 20, (3, 5, 64), device=DEVICE).float()))
+    x = x.bfloat16()
+    x[1, 2, 7] = float("nan")
+    x[2, 0, 40] = float("inf")
+    payload, scales = encode_cache_tokens(x, fmt, scale_rule, impl="triton")
+    want_payload, want_scales = cache_formats.encode(x, fmt, scale_rule)
+    assert torch.equal(scales, want_scales)
+    finite = torch.isfinite(x).all(dim=-1)
+    assert torch.equal(payload[finite], want_payload[finite])
+    got = cache_formats.decode(payload, scales, fmt, 64)
+    want = cache_formats.decode(want_payload, want_scales, fmt, 64)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
