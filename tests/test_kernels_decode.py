@@ -98,3 +98,16 @@ def test_encode_kernel_is_bit_exact(fmt, scale_rule, seed):
     got = cache_formats.decode(payload, scales, fmt, 64)
     want = cache_formats.decode(want_payload, want_scales, fmt, 64)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_nan_reaches_exactly_the_rows_that_see_it(seed):
+    policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
+    cache = QuantizedKV(2, 2, 32, 80, policy, torch.bfloat16, DEVICE)
+    k, v = torch.randn(2, 2, 70, 32, device=DEVICE).bfloat16(), torch.randn(2, 2, 70, 32, device=DEVICE).bfloat16()
+    k[0, 1, 40, 3] = float("nan")  # a quantized (middle) token of sequence 0, KV head 1
+    cache.append(k, v)
+    q = torch.randn(2, 4, 1, 32, device=DEVICE).bfloat16()
+    out = cache.attend(q, impl="triton")
+    assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any() and not out[1].isnan().any()
+    ref = cache.attend(q, impl="reference")
+    assert torch.equal(out.isnan(), ref.isnan())

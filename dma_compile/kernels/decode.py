@@ -169,8 +169,9 @@ def _decode_split_kernel(
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     n_chunks = tl.num_programs(1)
-    b = pid // HKV
-    h = pid % HKV
+    # 64-bit offsets: a batch of long caches spans more than 2^31 bytes.
+    b = (pid // HKV).to(tl.int64)
+    h = (pid % HKV).to(tl.int64)
     length = tl.load(LENGTHS + b)
 
     rows = tl.arange(0, BLOCK_M)
