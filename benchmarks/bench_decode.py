@@ -12,10 +12,14 @@ graphs (`triton.testing.do_bench_cudagraph`, median):
   cache policy (sinks and a 128-token recent window in bf16).
 
 Prints a table of µs, ratios to SDPA and the cache's bytes per token, and
-writes JSON.
+writes JSON. `--model-layers N` also times whole-model eager decode (a
+transformers Llama with Llama-3-8B's layer shapes and N layers, random
+weights, `--model-context` cached tokens): SDPA with a StaticCache against
+dma_compile.hf.DMACache per cache policy, tokens/s.
 
     python benchmarks/bench_decode.py                    # the issue's shapes
     python benchmarks/bench_decode.py --lengths 4096 32768 131072 --batches 1 8 32 --head-dims 128
+    python benchmarks/bench_decode.py --model-layers 4 --model-context 32768
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -126,12 +131,51 @@ def run_shape(b, hq, hkv, n, d):
     return row
 
 
+@torch.no_grad()
+def model_decode(layers: int, context: int, batch: int, steps: int = 32) -> dict:
+    """Eager decode tokens/s of a random-weight Llama-3-8B-shaped model after a `context` prefill."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    import dma_compile.hf
+
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=context + steps,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(DEVICE, torch.bfloat16).eval()
+    ids = torch.randint(0, config.vocab_size, (batch, context + steps), device=DEVICE)
+    dma_compile.hf.register()
+    result = {"layers": layers, "context": context, "batch": batch}
+    for name in ["sdpa", *CACHES]:
+        model.set_attn_implementation("sdpa" if name == "sdpa" else dma_compile.hf.NAME)
+        if name == "sdpa":
+            cache = StaticCache(config=config, max_cache_len=context + steps)
+        else:
+            cache = dma_compile.hf.DMACache(model, CACHES[name])
+        model(ids[:, :context], cache=cache, use_cache=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(context, context + steps):
+            model(ids[:, i : i + 1], cache=cache, use_cache=True)
+        torch.cuda.synchronize()
+        result[f"{name}_tok_s"] = steps * batch / (time.perf_counter() - start)
+        del cache
+        torch.cuda.empty_cache()
+    for name in CACHES:
+        result[f"{name}_x"] = result[f"{name}_tok_s"] / result["sdpa_tok_s"]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="*", help="cached lengths (with --batches: a sweep)")
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--head-dims", type=int, nargs="*", default=[128])
     parser.add_argument("--heads", default="32/8", help="query/KV heads of the sweep")
+    parser.add_argument("--model-layers", type=int, default=0, help="also time whole-model decode (0: no)")
+    parser.add_argument("--model-context", type=int, default=32768)
+    parser.add_argument("--model-batch", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/h200_decode.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -150,12 +194,16 @@ def main() -> None:
     cols = ["batch", "heads", "length", "head_dim", "sdpa_us"]
     cols += [c for c in rows[0] if c.endswith("_us") and c != "sdpa_us"] + [c for c in rows[0] if c.endswith("_x")]
     print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, floatfmt=".3g"))
+    model = None
+    if args.model_layers:
+        model = model_decode(args.model_layers, args.model_context, args.model_batch)
+        print(tabulate([list(model.values())], headers=list(model), floatfmt=".3g"))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "rows": rows,
+            "torch": torch.__version__, "triton": triton.__version__, "rows": rows, "model_decode": model,
         }, f, indent=2)
     print(f"wrote {args.out}")
 

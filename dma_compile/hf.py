@@ -14,7 +14,7 @@ Generation through the quantized KV cache (dma_compile.kv_cache), one line:
 
     out = model.generate(ids, cache=dma_compile.hf.DMACache(model), max_new_tokens=64)
 
-(`past_key_values=` on transformers before 5.25). The model must use
+(older transformers name it `past_key_values=`). The model must use
 attn_implementation="dma". Each layer's cache stores tokens as its policy's
 `cache_k` / `cache_v` say (default: the FP8 cache, `mxfp8_e4m3` for both);
 the prefill runs the DMA prefill op on the prompt's own K/V, and every later
