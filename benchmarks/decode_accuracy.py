@@ -1,15 +1,20 @@
 """Perplexity of the embedded model when the held-out text is decoded through the KV cache.
 
 Each window is fed teacher-forced: the first `--prefix` tokens as a prefill
-(exact attention), then one token per step through `dma_compile.hf.DMACache`,
-whose decode steps read the cache through `torch.ops.dma.decode_attention`
-(the kernel on a GPU, the reference on the CPU). The perplexity over the
-decoded positions is compared with stock SDPA's on the same positions, for
-each cache format, with and without the input-dtype sinks and recent window.
+(exact attention), then one token per step. The perplexity over the decoded
+positions is compared with stock SDPA's on the same positions, for each cache
+format, with and without the input-dtype sinks and recent window.
+
+`--through cache` runs the real thing: every step through
+`dma_compile.hf.DMACache`, whose decode steps read the cache through
+`torch.ops.dma.decode_attention` (the kernel on a GPU). `--through reference`
+(the default on the CPU, where stepping is slow) computes the same numbers in
+one forward per window with `reference.teacher_forced_decode_reference`, which
+is step-by-step decode in closed form (tests/test_reference_decode.py).
 
     export DMA_COMPILE_CACHE=/work/dma-cache
-    python benchmarks/decode_accuracy.py                          # CPU: 1 window of 1024 tokens
-    python benchmarks/decode_accuracy.py --windows 4 --window-len 2048 --out benchmarks/results/decode_accuracy.json
+    python benchmarks/decode_accuracy.py --windows 4 --window-len 1024
+    python benchmarks/decode_accuracy.py --through cache --windows 4 --window-len 2048 --out decode_accuracy.json
 """
 
 from __future__ import annotations
@@ -24,11 +29,16 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 from tqdm import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import dma_compile.hf
 from dma_compile.assets import find_assets
 from dma_compile.calibrate import load_model, split_heldout, take_windows, tokenize
 from dma_compile.policy import AttentionPolicy
+from dma_compile.reference import teacher_forced_decode_reference
+
+TEACHER_FORCED = "dma_teacher_forced"
 
 EXACT = AttentionPolicy.preset("exact")
 FP8 = EXACT.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
@@ -65,12 +75,29 @@ def cache_nll(model, window: torch.Tensor, prefix: int, policy: AttentionPolicy,
     return total
 
 
+@torch.no_grad()
+def reference_nll(model, window: torch.Tensor, prefix: int, policy: AttentionPolicy, bar) -> float:
+    """`cache_nll` in one forward: every layer's attention is the closed form of its decode steps."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        out = teacher_forced_decode_reference(query, key, value, prefix, scaling, policy)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(TEACHER_FORCED, attention)
+    AttentionMaskInterface.register(TEACHER_FORCED, sdpa_mask)
+    model.set_attn_implementation(TEACHER_FORCED)
+    total = sdpa_nll(model, window, prefix)
+    bar.update(window.numel() - prefix)
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=1)
     parser.add_argument("--window-len", type=int, default=1024)
     parser.add_argument("--prefix", type=int, default=128, help="prefill tokens per window")
     parser.add_argument("--caches", nargs="*", choices=list(CACHES), help="default: all")
+    parser.add_argument("--through", choices=["cache", "reference"], help="default: cache on a GPU, else reference")
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args()
     assets = find_assets()
@@ -86,24 +113,29 @@ def main() -> None:
 
     model.set_attn_implementation("sdpa")
     reference = math.exp(sum(sdpa_nll(model, w, args.prefix) for w in windows) / count)
-    dma_compile.hf.register(EXACT)
-    model.set_attn_implementation(dma_compile.hf.NAME)
+    through = args.through or ("cache" if device.type == "cuda" else "reference")
+    if through == "cache":
+        dma_compile.hf.register(EXACT)
+        model.set_attn_implementation(dma_compile.hf.NAME)
+    nll = cache_nll if through == "cache" else reference_nll
     names = args.caches or list(CACHES)
     rows = [["sdpa (no cache)", f"{reference:.4f}", ""]]
     results = {"sdpa": reference}
     with tqdm(total=len(names) * count, desc="decode steps") as bar:
         for name in names:
             bar.set_postfix_str(name)
-            ppl = math.exp(sum(cache_nll(model, w, args.prefix, CACHES[name], bar) for w in windows) / count)
+            ppl = math.exp(sum(nll(model, w, args.prefix, CACHES[name], bar) for w in windows) / count)
             results[name] = ppl
             rows.append([name, f"{ppl:.4f}", f"{100 * (ppl / reference - 1):+.2f}%"])
-    print(f"perplexity over {count} decoded tokens ({windows.shape[0]} x {windows.shape[1]}, prefill {args.prefix}; "
+    print(f"perplexity over {count} decoded tokens ({windows.shape[0]} x {windows.shape[1]}, prefill {args.prefix}, "
+          f"through the {through}; "
           f"sinks {EXACT.sink_tiles * EXACT.tile}, recent {EXACT.recent_tokens} unless said)")
     print(tabulate(rows, headers=["KV cache", "perplexity", "vs SDPA"]))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"settings": vars(args), "device": str(device), "perplexity": results}, f, indent=2)
+            settings = {**vars(args), "through": through}
+            json.dump({"settings": settings, "device": str(device), "perplexity": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -202,3 +202,39 @@ def decode_attention_reference(
     kc = cached_values(k, lengths, policy.cache_k, policy)
     vc = cached_values(v, lengths, policy.cache_v, policy)
     return decode_attention_math(q, kc, vc, lengths, scale).to(q.dtype)
+
+
+def teacher_forced_decode_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int,
+    scale: float | None = None,
+    policy: AttentionPolicy | None = None,
+) -> torch.Tensor:
+    """Causal attention over a whole sequence as if it were generated through the cache.
+
+    Query i < prefix is the exact prefill; query i >= prefix is the decode
+    step at cached length i + 1 (`decode_attention_reference` with T = 1), all
+    in one pass: key p is as the cache holds it then (input dtype when
+    p < sinks or p >= i + 1 - recent_tokens). q (B, Hq, L, D), k, v (B, Hkv, L, D).
+    """
+    policy = policy if policy is not None else AttentionPolicy()
+    b, hq, n, d = q.shape
+    group = hq // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    everything = torch.full((b,), n, device=q.device)
+    high_policy = policy.replace(sink_tiles=0, recent_tokens=0)
+    k_lo = cached_values(k, everything, policy.cache_k, high_policy).repeat_interleave(group, dim=1)
+    v_lo = cached_values(v, everything, policy.cache_v, high_policy).repeat_interleave(group, dim=1)
+    kf, vf = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    i = torch.arange(n, device=q.device)[:, None]
+    p = torch.arange(n, device=q.device)[None, :]
+    quantized = (policy.cache_k, policy.cache_v) != ("none", "none")
+    sink, recent = (policy.sink_tiles * policy.tile, policy.recent_tokens) if quantized else (0, 0)
+    high = (p < sink) | (p >= i + 1 - recent) | (i < prefix)
+    qf = q.float()
+    scores = torch.where(high, qf @ kf.transpose(-1, -2), qf @ k_lo.transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(p > i, float("-inf")), dim=-1)
+    out = (probs * high) @ vf + (probs * ~high) @ v_lo
+    return out.to(q.dtype)

@@ -71,3 +71,21 @@ def test_window_and_sinks_reduce_the_error(seed):
     for name, pol in {"none": QUANTIZED.replace(sink_tiles=0, recent_tokens=0), "window": QUANTIZED}.items():
         err[name] = (decode_attention_reference(q, k, v, policy=pol).float() - exact).norm() / exact.norm()
     assert err["window"] < err["none"]
+
+
+def test_teacher_forced_pass_equals_step_by_step_decode(seed):
+    from dma_compile.reference import teacher_forced_decode_reference
+
+    q, k, v = _inputs(2, 4, 2, 60, 60, 32, dtype=torch.float32)
+    prefix = 20
+    out = teacher_forced_decode_reference(q, k, v, prefix, policy=QUANTIZED)
+    steps = []
+    for i in range(60):
+        if i < prefix:
+            n = torch.tensor([i + 1, i + 1])
+            steps.append(decode_attention_reference(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1], n,
+                                                    policy=QUANTIZED.replace(cache_k="none", cache_v="none")))
+        else:
+            steps.append(decode_attention_reference(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1],
+                                                    policy=QUANTIZED))
+    torch.testing.assert_close(out, torch.cat(steps, dim=2), rtol=1e-5, atol=1e-5)
