@@ -132,8 +132,9 @@ def decode_attention(
         raise ValueError(f"lengths must be int32 of shape ({b},), got {lengths.dtype} {tuple(lengths.shape)}")
     if t < 1 or t > max_length:
         raise ValueError(f"q: query length must be in 1..max_length ({max_length}), got {t}")
-    if q.dtype != (hi_k.dtype if hi_k is not None else q.dtype):
-        raise ValueError(f"q: dtype must be the cache's input dtype {hi_k.dtype}, got {q.dtype}")
+    stored = {x.dtype for x in (hi_k, k_payload, v_payload) if x is not None and x.is_floating_point()}
+    if stored and stored != {q.dtype}:
+        raise ValueError(f"q: dtype must be the cache's input dtype {stored.pop()}, got {q.dtype}")
     return torch.ops.dma.decode_attention(
         q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, int(max_length), int(sink), int(recent),
         policy.to_string(), None if scale is None else float(scale), impl,

@@ -82,3 +82,14 @@ def test_grow_keeps_the_contents(seed):
     assert torch.equal(after[0][:, :, :10], before[0]) and torch.equal(after[1][:, :, :10], before[1])
     with pytest.raises(ValueError, match="capacity must be >="):
         cache.grow(5)
+
+
+def test_attend_rejects_bad_queries():
+    cache = QuantizedKV(2, 2, 32, capacity=8, policy=POLICY)
+    cache.append(torch.zeros(2, 2, 2, 32).bfloat16(), torch.zeros(2, 2, 2, 32).bfloat16())
+    with pytest.raises(ValueError, match="input dtype"):
+        cache.attend(torch.zeros(2, 4, 1, 32).half())
+    with pytest.raises(ValueError, match="KV heads"):
+        cache.attend(torch.zeros(2, 3, 1, 32).bfloat16())
+    with pytest.raises(ValueError, match="query tokens"):
+        cache.attend(torch.zeros(2, 4, 3, 32).bfloat16())
