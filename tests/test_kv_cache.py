@@ -93,3 +93,17 @@ def test_attend_rejects_bad_queries():
         cache.attend(torch.zeros(2, 3, 1, 32).bfloat16())
     with pytest.raises(ValueError, match="query tokens"):
         cache.attend(torch.zeros(2, 4, 3, 32).bfloat16())
+
+
+def test_gpu_fallback_sdpa_path_matches_reference(seed):
+    """What a GPU runs when the kernel cannot serve a call: SDPA over the dequantized cache."""
+    from dma_compile.ops_decode import _dequantized_attention
+
+    cache = QuantizedKV(2, 2, 32, capacity=90, policy=POLICY)
+    cache.append(torch.randn(2, 2, 80, 32).bfloat16(), torch.randn(2, 2, 80, 32).bfloat16(), torch.tensor([80, 47]))
+    q = torch.randn(2, 4, 3, 32).bfloat16()
+    c = cache
+    args = (q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths, c.max_length,
+            c.sink, c.recent, c.policy, None)
+    torch.testing.assert_close(_dequantized_attention(*args, exact=False).float(),
+                               _dequantized_attention(*args, exact=True).float(), atol=1e-2, rtol=1e-2)
