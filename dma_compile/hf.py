@@ -19,8 +19,8 @@ attn_implementation="dma". Each layer's cache stores tokens as its policy's
 `cache_k` / `cache_v` say (default: the FP8 cache, `mxfp8_e4m3` for both);
 the prefill runs the DMA prefill op on the prompt's own K/V, and every later
 step reads the quantized storage through `torch.ops.dma.decode_attention`
-(a padded batch, whose decode steps carry a mask, reads the dequantized cache
-through SDPA instead, logged once). Eager only so far.
+(steps that carry a mask, those of a padded batch or a chunked prefill, read
+the dequantized cache through SDPA instead, logged once). Eager only so far.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class DMACacheLayer(CacheLayerMixin):
         if attention_mask is None:
             decode_impl = impl if impl in ("auto", "reference") else "triton"
             return self.store.attend(query, scaling, decode_impl).transpose(1, 2).contiguous()
-        _log_fallback_once("decode with an attention mask (a padded batch) reads the dequantized cache")
+        _log_fallback_once("a step with an attention mask (padded batch, chunked prefill) reads the dequantized cache")
         k, v = (x.to(query.dtype) for x in self.store.values())
         return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)[0]
 
