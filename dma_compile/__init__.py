@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 from dma_compile.calibrate import calibrate
 from dma_compile.formats import quantize_mx
 from dma_compile.ops import dma_attention
+from dma_compile.ops_decode import decode_attention  # registers dma::decode_attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
 from dma_compile.prepare import warmup
 
@@ -56,6 +57,7 @@ __all__ = [
     "AttentionPolicy",
     "ModelPolicy",
     "calibrate",
+    "decode_attention",
     "default_policy",
     "dma_attention",
     "quantize_mx",

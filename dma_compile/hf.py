@@ -9,6 +9,18 @@ masks, the same causal rule) but calls `torch.ops.dma.attention` with the
 policy of the module's `layer_idx`, on K/V before any GQA expansion. Calls the
 op cannot serve run transformers' SDPA path instead, with the reason logged
 once.
+
+Generation through the quantized KV cache (dma_compile.kv_cache), one line:
+
+    out = model.generate(ids, cache=dma_compile.hf.DMACache(model), max_new_tokens=64)
+
+(older transformers name it `past_key_values=`). The model must use
+attn_implementation="dma". Each layer's cache stores tokens as its policy's
+`cache_k` / `cache_v` say (default: the FP8 cache, `mxfp8_e4m3` for both);
+the prefill runs the DMA prefill op on the prompt's own K/V, and every later
+step reads the quantized storage through `torch.ops.dma.decode_attention`
+(steps that carry a mask, those of a padded batch or a chunked prefill, read
+the dequantized cache through SDPA instead, logged once). Eager only so far.
 """
 
 from __future__ import annotations
@@ -19,11 +31,13 @@ import os
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from dma_compile.kv_cache import QuantizedKV
 from dma_compile.ops import check_impl, check_inputs
-from dma_compile.policy import ModelPolicy, as_model_policy, default_policy
+from dma_compile.policy import AttentionPolicy, ModelPolicy, as_model_policy, default_policy
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +45,11 @@ NAME = "dma"
 MAX_HEAD_DIM = 256
 # Keyword arguments some models pass that the DMA op has no equivalent for.
 _UNSUPPORTED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks")
+# Key under which a DMACache layer hands itself to the attention function,
+# through the keyword arguments transformers passes to both.
+_CACHE_KWARG = "dma_cache_layer"
+# Tokens a DMACache layer allocates at first, doubling when full.
+_INITIAL_CAPACITY = 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +86,9 @@ def _attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    cache_layer = kwargs.pop(_CACHE_KWARG, None)
+    if cache_layer is not None and cache_layer.past_length > 0:
+        return cache_layer.decode(module, query, attention_mask, scaling, impl, kwargs), None
     layer = getattr(module, "layer_idx", None)
     if model_policy is None:
         policy = default_policy(query.device)
@@ -105,3 +127,87 @@ def register(policy: ModelPolicy | str | os.PathLike | None = None, impl: str = 
     # Same boolean masks as SDPA (None when is_causal can stand in for them).
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME
+
+
+class DMACacheLayer(CacheLayerMixin):
+    """One layer of a DMACache: a growing `QuantizedKV` in `policy`'s cache formats."""
+
+    is_sliding = False
+
+    def __init__(self, policy: AttentionPolicy):
+        super().__init__()
+        self.policy = policy
+        self.store: QuantizedKV | None = None
+        self.past_length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, t, d = key_states.shape
+        capacity = max(_INITIAL_CAPACITY, 2 * t)
+        self.store = QuantizedKV(b, h, d, capacity, self.policy, key_states.dtype, key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens; return them as they are (the prefill attends to
+        them, later steps read the store through `decode`)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.past_length = self.store.max_length
+        needed = self.past_length + key_states.shape[2]
+        if needed > self.store.capacity:
+            self.store.grow(max(needed, 2 * self.store.capacity))
+        self.store.append(key_states, value_states)
+        model_kwargs = kwargs.get("kwargs")
+        if isinstance(model_kwargs, dict):
+            model_kwargs[_CACHE_KWARG] = self
+        return key_states, value_states
+
+    def decode(self, module, query, attention_mask, scaling, impl, kwargs) -> torch.Tensor:
+        """Attention output (B, T, Hq, D) of the newest tokens over this layer's cache."""
+        if attention_mask is None:
+            decode_impl = impl if impl in ("auto", "reference") else "triton"
+            return self.store.attend(query, scaling, decode_impl).transpose(1, 2).contiguous()
+        _log_fallback_once("a step with an attention mask (padded batch, chunked prefill) reads the dequantized cache")
+        k, v = (x.to(query.dtype) for x in self.store.values())
+        return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)[0]
+
+    def get_seq_length(self) -> int:
+        return 0 if self.store is None else self.store.max_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.store is not None:
+            self.store.reset()
+        self.past_length = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("DMACache does not support beam search yet")
+
+
+class DMACache(Cache):
+    """A transformers Cache whose layers store K/V quantized (see the module docstring).
+
+    policy: a ModelPolicy, AttentionPolicy, policy string or JSON path, read for
+    the cache fields of each layer; None: the device default with the FP8
+    cache (cache_k = cache_v = "mxfp8_e4m3").
+    """
+
+    def __init__(self, model: torch.nn.Module, policy: ModelPolicy | str | os.PathLike | None = None):
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "_attn_implementation", None) != NAME:
+            raise ValueError(
+                f"DMACache needs a model loaded with attn_implementation={NAME!r} (after dma_compile.hf.register()), "
+                f"got {getattr(config, '_attn_implementation', None)!r}"
+            )
+        model_policy = as_model_policy(policy)
+        if model_policy is None:
+            device = next(model.parameters()).device
+            fp8 = default_policy(device).replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
+            model_policy = ModelPolicy(default=fp8)
+        layers = config.num_hidden_layers
+        model_policy.check_layers(layers)
+        super().__init__(layers=[DMACacheLayer(model_policy.for_layer(i)) for i in range(layers)])

@@ -2,7 +2,8 @@
 
 `AttentionPolicy` describes one attention layer: the precision tile, how many
 sink and diagonal tiles run in the high format, the high and low formats, the
-P·V precision and the MX details. Its compact string form is what travels as
+P·V precision and the MX details, and how the KV cache stores each token at
+decode time (`cache_k`, `cache_v`, `recent_tokens`). Its compact string form is what travels as
 the custom op's argument, so compiled-graph caches see it. `ModelPolicy` maps
 layer indices to policies and is saved as JSON by calibration.
 """
@@ -23,6 +24,9 @@ QK_FORMATS = ("none",) + FORMATS
 PV_MODES = ("input", "fp8")
 MX_MODES = ("exact", "folded")
 TILES = (32, 64, 128, 256, 512, 1024)
+# KV-cache storage formats (dma_compile.kv_cache): "none" keeps the input dtype.
+CACHE_K_FORMATS = ("none", "mxfp8_e4m3", "mxfp4_e2m1")
+CACHE_V_FORMATS = ("none", "mxfp8_e4m3")
 
 # Short keys of the string form, in order.
 _KEYS = {
@@ -36,6 +40,9 @@ _KEYS = {
     "smooth_k": "smooth",
     "scale_rule": "scale",
     "min_q_len": "minq",
+    "cache_k": "kcache",
+    "cache_v": "vcache",
+    "recent_tokens": "recent",
 }
 _FIELDS = {short: name for name, short in _KEYS.items()}
 
@@ -59,6 +66,12 @@ class AttentionPolicy:
     "mxfp4_e2m1". pv: P·V in the input dtype ("input") or FP8 ("fp8").
     mx_mode: "exact" MX numerics or "folded" per-token FP8 scales. The defaults
     are the paper's configuration.
+
+    cache_k / cache_v: how a KV cache stores the tokens outside its sinks
+    (the first `sink_tiles * tile` tokens) and its recent window (the last
+    `recent_tokens`), which stay in the input dtype: "none", "mxfp8_e4m3"
+    (folded MXFP8: e4m3 elements and one power-of-two scale per token) or,
+    for K only, "mxfp4_e2m1" (MX: e2m1 elements, one E8M0 scale per 32).
     """
 
     tile: int = 128
@@ -71,6 +84,9 @@ class AttentionPolicy:
     smooth_k: bool = True
     scale_rule: str = "rceil"
     min_q_len: int = 16
+    cache_k: str = "none"
+    cache_v: str = "none"
+    recent_tokens: int = 128
 
     def __post_init__(self) -> None:
         _choice("tile", self.tile, TILES)
@@ -83,6 +99,9 @@ class AttentionPolicy:
         _choice("smooth_k", self.smooth_k, (True, False))
         _choice("scale_rule", self.scale_rule, SCALE_RULES)
         _int_at_least("AttentionPolicy.min_q_len", self.min_q_len, 1)
+        _choice("cache_k", self.cache_k, CACHE_K_FORMATS)
+        _choice("cache_v", self.cache_v, CACHE_V_FORMATS)
+        _int_at_least("AttentionPolicy.recent_tokens", self.recent_tokens, 0)
         # The string form travels with every op call: build it once.
         parts = []
         for name, short in _KEYS.items():

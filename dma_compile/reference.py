@@ -3,7 +3,8 @@
 This module defines the semantics (docs/semantics.md) that every kernel is
 tested against. It materialises the whole score matrix, so it is meant for
 tests, calibration and CPU runs, not for speed. With both formats "none" it is
-exact attention.
+exact attention. `decode_attention_reference` defines decode through a
+quantized KV cache (dma_compile.cache_formats).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 
 import torch
 
+from dma_compile import cache_formats
 from dma_compile.formats import E4M3, fake_quantize, rceil_exponent, round_to_element
 from dma_compile.policy import AttentionPolicy
 
@@ -198,3 +200,99 @@ def dma_attention_reference(
         out = _weighted_values(pr, vc.repeat_interleave(group, dim=1), keep)
     out = torch.where(row_sum == 0, torch.zeros_like(out), out / row_sum)
     return out.to(input_dtype)
+
+
+def cache_position_is_high(lengths: torch.Tensor, max_len: int, policy: AttentionPolicy) -> torch.Tensor:
+    """Bool (B, max_len): True where a cached token stays in the input dtype,
+    the first `sink_tiles * tile` tokens and the last `recent_tokens` of each
+    sequence (of length `lengths[b]`)."""
+    p = torch.arange(max_len, device=lengths.device)
+    return (p[None, :] < policy.sink_tiles * policy.tile) | (p[None, :] >= lengths[:, None] - policy.recent_tokens)
+
+
+def cached_values(x: torch.Tensor, lengths: torch.Tensor, fmt: str, policy: AttentionPolicy) -> torch.Tensor:
+    """Float32 K or V (B, H, L, D) as a cache of format `fmt` holds them."""
+    stored = cache_formats.decode(*cache_formats.encode(x, fmt, policy.scale_rule), fmt, x.shape[-1])
+    high = cache_position_is_high(lengths, x.shape[2], policy)[:, None, :, None]
+    return torch.where(high, x.float(), stored)
+
+
+def decode_attention_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Exact attention of the newest tokens over a cache, in float32.
+
+    q (B, Hq, T, D) holds the queries of positions lengths[b] - T .. lengths[b] - 1
+    of each sequence; k, v (B, Hkv, L, D) its cached keys and values, positions
+    from lengths[b] on ignored. Query t sees keys 0 .. lengths[b] - T + t.
+    """
+    b, hq, t, d = q.shape
+    group = hq // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    last = lengths.to(q.device)[:, None] - t + torch.arange(t, device=q.device)[None, :]
+    keep = torch.arange(k.shape[2], device=q.device)[None, None, :] <= last[:, :, None]
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vf)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+    policy: AttentionPolicy | None = None,
+) -> torch.Tensor:
+    """Decode attention through a KV cache of `policy`'s cache formats.
+
+    k, v (B, Hkv, L, D) are the keys and values as written (input dtype);
+    lengths (B,) each sequence's cached length, all L when None. The cache keeps
+    the sinks and the recent window as given and the other tokens in
+    `policy.cache_k` / `cache_v`; softmax and P·V are exact (float32).
+    Returns q's dtype.
+    """
+    policy = policy if policy is not None else AttentionPolicy()
+    if lengths is None:
+        lengths = torch.full((q.shape[0],), k.shape[2], device=q.device)
+    kc = cached_values(k, lengths, policy.cache_k, policy)
+    vc = cached_values(v, lengths, policy.cache_v, policy)
+    return decode_attention_math(q, kc, vc, lengths, scale).to(q.dtype)
+
+
+def teacher_forced_decode_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int,
+    scale: float | None = None,
+    policy: AttentionPolicy | None = None,
+) -> torch.Tensor:
+    """Causal attention over a whole sequence as if it were generated through the cache.
+
+    Query i < prefix is the exact prefill; query i >= prefix is the decode
+    step at cached length i + 1 (`decode_attention_reference` with T = 1), all
+    in one pass: key p is as the cache holds it then (input dtype when
+    p < sinks or p >= i + 1 - recent_tokens). q (B, Hq, L, D), k, v (B, Hkv, L, D).
+    """
+    policy = policy if policy is not None else AttentionPolicy()
+    b, hq, n, d = q.shape
+    group = hq // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    everything = torch.full((b,), n, device=q.device)
+    high_policy = policy.replace(sink_tiles=0, recent_tokens=0)
+    k_lo = cached_values(k, everything, policy.cache_k, high_policy).repeat_interleave(group, dim=1)
+    v_lo = cached_values(v, everything, policy.cache_v, high_policy).repeat_interleave(group, dim=1)
+    kf, vf = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    i = torch.arange(n, device=q.device)[:, None]
+    p = torch.arange(n, device=q.device)[None, :]
+    quantized = (policy.cache_k, policy.cache_v) != ("none", "none")
+    sink, recent = (policy.sink_tiles * policy.tile, policy.recent_tokens) if quantized else (0, 0)
+    high = (p < sink) | (p >= i + 1 - recent) | (i < prefix)
+    qf = q.float()
+    scores = torch.where(high, qf @ kf.transpose(-1, -2), qf @ k_lo.transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(p > i, float("-inf")), dim=-1)
+    out = (probs * high) @ vf + (probs * ~high) @ v_lo
+    return out.to(q.dtype)

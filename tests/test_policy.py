@@ -142,3 +142,28 @@ def test_model_policy_layer_keys_in_python():
         ModelPolicy(layers={-1: AttentionPolicy()})
     with pytest.raises(ValueError, match="key True is not a layer index"):
         ModelPolicy(layers={True: AttentionPolicy()})
+
+
+@pytest.mark.parametrize(
+    "field,value,accepted",
+    [
+        ("cache_k", "fp8", "cache_k must be one of"),
+        ("cache_v", "mxfp4_e2m1", "cache_v must be one of"),
+        ("recent_tokens", -1, "recent_tokens must be an int >= 0"),
+        ("recent_tokens", 1.5, "recent_tokens must be an int >= 0"),
+    ],
+)
+def test_cache_fields_validated(field, value, accepted):
+    with pytest.raises(ValueError, match=accepted):
+        AttentionPolicy(**{field: value})
+
+
+def test_cache_fields_round_trip_string_and_json(tmp_path):
+    p = AttentionPolicy.hopper().replace(cache_k="mxfp4_e2m1", cache_v="mxfp8_e4m3", recent_tokens=37)
+    assert AttentionPolicy.from_string(p.to_string()) == p
+    assert "kcache=mxfp4_e2m1" in p.to_string() and "recent=37" in p.to_string()
+    assert AttentionPolicy.from_string("kcache=mxfp8_e4m3").cache_k == "mxfp8_e4m3"
+    model = ModelPolicy(default=AttentionPolicy(), layers={1: p}, num_layers=2)
+    model.save(tmp_path / "p.json")
+    assert ModelPolicy.load(tmp_path / "p.json").layers[1] == p
+    assert AttentionPolicy().cache_k == "none" and AttentionPolicy().recent_tokens == 128

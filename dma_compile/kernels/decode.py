@@ -1,0 +1,332 @@
+"""Split-K flash-decoding over the quantized KV cache (dma_compile.kv_cache).
+
+One program per (batch, KV head, key chunk) serves every query head of the KV
+head (GQA) and every new query token (1 .. a few, causal among themselves):
+its rows are (head, token) pairs. Program chunk 0 reads the sinks and the
+recent window, kept in the input dtype; the other chunks split the quantized
+middle of the cache. Each reads the payload bytes and scales of
+`dma_compile.cache_formats` directly and dequantizes in registers (e4m3 and
+e2m1 times a power of two are exact in bf16/fp16), so no wider copy of the
+cache is ever written. Per chunk it writes the normalised partial output and
+its log-sum-exp (base 2); a second kernel merges the chunks.
+
+Sequences of one batch may have different lengths (`lengths`); chunks past a
+sequence's end write an empty partial (log-sum-exp -inf).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dma_compile.kernels import Unsupported
+from dma_compile.kernels.quantize import HW_CVT, INTERPRET, _pow2_wide, _to_f32
+
+FMT_CODES = {"none": 0, "mxfp8_e4m3": 1, "mxfp4_e2m1": 3}
+HEAD_DIMS = (32, 64, 128, 256)
+MAX_ROWS = 128
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _scale_of(byte):
+    """2^(byte - 127) for a stored exponent byte; 255 (a NaN token) reads NaN."""
+    return tl.where(byte == 255, float("nan"), _pow2_wide(byte.to(tl.int32) - 127))
+
+
+@triton.jit
+def _e4m3_values(bits, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
+    """e4m3 bytes as DTYPE on the GPU; as float32 by integer arithmetic under the
+    interpreter (whose fp8 and bf16 conversions are not exact)."""
+    if HW_CVT:
+        r = bits.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    else:
+        b = bits.to(tl.int32)
+        e = (b >> 3) & 15
+        m = (b & 7).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * _pow2_wide(e - 10))
+        mag = tl.where((b & 127) == 127, float("nan"), mag)
+        r = tl.where((b & 128) != 0, -mag, mag)
+    return r
+
+
+@triton.jit
+def _e2m1_times(codes, factor):
+    """E2M1 codes (low 4 bits) times `factor`, in float32.
+
+    The code's bits placed at the top of an fp16 (sign at 15, exponent and
+    mantissa at 9..11) are the e2m1 value times 2^-14 exactly, subnormals
+    included: no table, two integer operations.
+    """
+    c = codes.to(tl.int16)
+    half = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 16384.0 * factor
+
+
+@triton.jit
+def _operand(x, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
+    """A dot operand: DTYPE on the GPU (exact for the cache's values), float32
+    under the interpreter, which multiplies 16-bit floats through float32 anyway."""
+    if HW_CVT:
+        r = x.to(DTYPE)
+    else:
+        r = _to_f32(x, HW_CVT)
+    return r
+
+
+@triton.jit
+def _scores(
+    q, q_even, q_odd, kp, ks, pos, ok, stride_kt, stride_ks,
+    FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """q @ k^T (float32) for the keys at `pos` of a K store of format FMT
+    (kp/ks: this sequence and head's payload and scale base pointers)."""
+    if FMT == 3:
+        dh = tl.arange(0, D // 2)
+        packed = tl.load(kp + pos[:, None] * stride_kt + dh[None, :], mask=ok[:, None], other=0)
+        db = tl.arange(0, D // 32)
+        sb = tl.load(ks + pos[:, None] * stride_ks + db[None, :], mask=ok[:, None], other=127)
+        factor = tl.reshape(tl.broadcast_to(_scale_of(sb)[:, :, None], (BLOCK_N, D // 32, 16)), (BLOCK_N, D // 2))
+        k_even = _operand(_e2m1_times(packed & 15, factor), q.dtype, HW_CVT)
+        k_odd = _operand(_e2m1_times(packed >> 4, factor), q.dtype, HW_CVT)
+        s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+    else:
+        d = tl.arange(0, D)
+        raw = tl.load(kp + pos[:, None] * stride_kt + d[None, :], mask=ok[:, None], other=0)
+        if FMT == 1:
+            s = tl.dot(q, tl.trans(_e4m3_values(raw, q.dtype, HW_CVT)))
+            s = s * _scale_of(tl.load(ks + pos * stride_ks, mask=ok, other=127))[None, :]
+        else:
+            s = tl.dot(q, tl.trans(_operand(raw, q.dtype, HW_CVT)))
+    return s
+
+
+@triton.jit
+def _pv(
+    p, acc, vp, vs, pos, ok, stride_vt, stride_vs,
+    FMT: tl.constexpr, DTYPE: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """acc + p @ v for the values at `pos` of a V store of format FMT."""
+    d = tl.arange(0, D)
+    raw = tl.load(vp + pos[:, None] * stride_vt + d[None, :], mask=ok[:, None], other=0)
+    if FMT == 1:
+        scale = _scale_of(tl.load(vs + pos * stride_vs, mask=ok, other=127))
+        v = _e4m3_values(raw, DTYPE, HW_CVT)
+        if DTYPE == tl.float16:
+            # fp16 cannot hold p * 2^A for small A: scale the values instead.
+            v = _operand(v.to(tl.float32) * scale[:, None], DTYPE, HW_CVT)
+        else:
+            p = p * scale[None, :]
+        r = tl.dot(_operand(p, DTYPE, HW_CVT), v, acc)
+    else:
+        r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc)
+    return r
+
+
+@triton.jit
+def _attend_range(
+    acc, m_i, l_i, q, q_even, q_odd, start, end, qpos, slot_base, ring,
+    kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """Online softmax over keys [start, end). A position p lives at slot p of
+    the store, or with RING at slot_base + p % ring (the recent window)."""
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        ok = pos < end
+        if RING:
+            slot = slot_base + pos % ring
+        else:
+            slot = pos
+        s = _scores(q, q_even, q_odd, kp, ks, slot, ok, stride_kt, stride_ks, K_FMT, D, BLOCK_N, HW_CVT) * sm_scale
+        s = tl.where(ok[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no key yet keep m = -inf: shift by 0 instead.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _pv(p, acc * alpha[:, None], vp, vs, slot, ok, stride_vt, stride_vs, V_FMT, q.dtype, D, HW_CVT)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KP, KS, VP, VS, HK, HV, LENGTHS, O_PART, LSE_PART,
+    sqb, sqh, sqt,
+    skb, skh, skt, sksb, sksh, skst,
+    svb, svh, svt, svsb, svsh, svst,
+    shb, shh, sht,
+    sm_scale, T, G, HKV, CHUNK, SINK, RECENT,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, HAS_HI: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    # 64-bit offsets: a batch of long caches spans more than 2^31 bytes.
+    b = (pid // HKV).to(tl.int64)
+    h = (pid % HKV).to(tl.int64)
+    length = tl.load(LENGTHS + b)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
+    t = rows % T
+    qpos = length - T + t
+    q_row = Q + b * sqb + (h * G + rows // T) * sqh + t * sqt
+    d = tl.arange(0, D)
+    q = _operand(tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0), Q.dtype.element_ty, HW_CVT)
+    if K_FMT == 3:
+        dh = tl.arange(0, D // 2)
+        q_even = _operand(tl.load(q_row[:, None] + 2 * dh[None, :], mask=row_ok[:, None], other=0.0), Q.dtype.element_ty, HW_CVT)
+        q_odd = _operand(tl.load(q_row[:, None] + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0), Q.dtype.element_ty, HW_CVT)
+    else:
+        q_even = q
+        q_odd = q
+
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    kp = KP + b * skb + h * skh
+    ks = KS + b * sksb + h * sksh
+    vp = VP + b * svb + h * svh
+    vs = VS + b * svsb + h * svsh
+    if HAS_HI:
+        lo_start = tl.minimum(SINK, length)
+        lo_end = tl.maximum(lo_start, length - RECENT)
+        if chunk == 0:
+            hk = HK + b * shb + h * shh
+            hv = HV + b * shb + h * shh
+            acc, m_i, l_i = _attend_range(
+                acc, m_i, l_i, q, q, q, 0, lo_start, qpos, 0, 1, hk, hk, hv, hv, sht, 0, sht, 0, sm_scale,
+                0, 0, False, D, BLOCK_N, HW_CVT)
+            acc, m_i, l_i = _attend_range(
+                acc, m_i, l_i, q, q, q, lo_end, length, qpos, SINK, RECENT, hk, hk, hv, hv, sht, 0, sht, 0,
+                sm_scale, 0, 0, True, D, BLOCK_N, HW_CVT)
+        else:
+            start = lo_start + (chunk - 1) * CHUNK
+            acc, m_i, l_i = _attend_range(
+                acc, m_i, l_i, q, q_even, q_odd, start, tl.minimum(lo_end, start + CHUNK), qpos, 0, 0,
+                kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, BLOCK_N, HW_CVT)
+    else:
+        start = chunk * CHUNK
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_even, q_odd, start, tl.minimum(length, start + CHUNK), qpos, 0, 0,
+            kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, BLOCK_N, HW_CVT)
+
+    part = (pid * n_chunks + chunk) * BLOCK_M + rows
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O_PART + part[:, None] * D + d[None, :], out, mask=row_ok[:, None])
+    tl.store(LSE_PART + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    O_PART, LSE_PART, OUT, sob, soh, sot, T, G, HKV, N_CHUNKS,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    b = pid // HKV
+    h = pid % HKV
+    c = tl.arange(0, BLOCK_C)
+    c_ok = c < N_CHUNKS
+    part = (pid * N_CHUNKS + c) * BLOCK_M + row
+    lse = tl.load(LSE_PART + part, mask=c_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
+    d = tl.arange(0, D)
+    o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=c_ok[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    dst = OUT + b * sob + (h * G + row // T) * soh + (row % T) * sot + d
+    tl.store(dst, out.to(OUT.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_chunks(max_middle: int, programs: int, device: torch.device, block_n: int, chunk: int | None) -> tuple[int, int]:
+    """(chunk length, number of middle chunks): enough programs to fill the GPU
+    about four times over, each chunk a multiple of block_n."""
+    if chunk is None:
+        want = max(1, 4 * _num_sms(device) // max(programs, 1))
+        chunk = triton.cdiv(max(max_middle, 1), want)
+    chunk = max(block_n, triton.cdiv(chunk, block_n) * block_n)
+    return chunk, triton.cdiv(max_middle, chunk)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_payload: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_payload: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    hi_k: torch.Tensor | None,
+    hi_v: torch.Tensor | None,
+    lengths: torch.Tensor,
+    max_length: int,
+    sink: int,
+    recent: int,
+    k_fmt: str,
+    v_fmt: str,
+    scale: float | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Decode attention of q (B, Hq, T, D) over a cache laid out as in
+    dma_compile.kv_cache; returns (B, Hq, T, D) in q's dtype.
+
+    max_length bounds lengths (it sizes the grid); chunk forces the middle
+    chunk length (tests), None picks one for the GPU.
+    """
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    b, hq, t, d = q.shape
+    hkv = k_payload.shape[1]
+    if q.device.type != "cuda" and not INTERPRET:
+        raise Unsupported(f"the decode kernel needs CUDA tensors, got {q.device.type}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise Unsupported(f"the decode kernel takes bf16 or fp16, got {q.dtype}")
+    if d not in HEAD_DIMS:
+        raise Unsupported(f"the decode kernel takes head_dim in {HEAD_DIMS}, got {d}")
+    group = hq // hkv
+    if group * t > MAX_ROWS:
+        raise Unsupported(f"query heads per KV head x query length = {group * t} > {MAX_ROWS}")
+    block_m = max(16, triton.next_power_of_2(group * t))
+    block_n = 16 if INTERPRET else (64 if d <= 128 else 32)
+    has_hi = hi_k is not None
+    middle = max_length - (sink if has_hi else 0)
+    chunk, n_middle = split_chunks(middle, b * hkv, q.device, block_n, chunk)
+    n_chunks = n_middle + int(has_hi)
+    o_part = torch.empty(b * hkv * n_chunks * block_m, d, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(b * hkv * n_chunks * block_m, device=q.device, dtype=torch.float32)
+    placeholder = k_payload
+    ks = k_scales if k_scales is not None else placeholder
+    vs = v_scales if v_scales is not None else placeholder
+    hk = hi_k if has_hi else placeholder
+    hv = hi_v if has_hi else placeholder
+    sm_scale = (1.0 / math.sqrt(d) if scale is None else scale) * LOG2E
+    _decode_split_kernel[(b * hkv, n_chunks)](
+        q, k_payload, ks, v_payload, vs, hk, hv, lengths, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        *k_payload.stride()[:3], *ks.stride()[:3],
+        *v_payload.stride()[:3], *vs.stride()[:3],
+        *hk.stride()[:3],
+        sm_scale, t, group, hkv, chunk, sink, recent,
+        K_FMT=FMT_CODES[k_fmt], V_FMT=FMT_CODES[v_fmt], HAS_HI=has_hi,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, HW_CVT=HW_CVT,
+        num_warps=4,
+    )
+    out = torch.empty_like(q)
+    _decode_combine_kernel[(b * hkv, group * t)](
+        o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), t, group, hkv, n_chunks,
+        D=d, BLOCK_M=block_m, BLOCK_C=triton.next_power_of_2(n_chunks),
+    )
+    return out

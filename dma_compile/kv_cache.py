@@ -1,0 +1,167 @@
+"""Preallocated, quantized KV-cache storage of one attention layer.
+
+A `QuantizedKV` holds a batch of sequences of up to `capacity` tokens each,
+as `AttentionPolicy` says (cache_k, cache_v, sink_tiles * tile sink tokens,
+recent_tokens): every appended token is written once in its cache format
+(dma_compile.cache_formats), and the sinks and a ring of the most recent
+tokens are written in the input dtype too. When a token leaves the recent
+window nothing moves: its quantized copy is already there, and the decode
+kernel simply stops reading the ring slot for it. With both formats "none"
+there is no separate input-dtype part.
+
+Appending quantizes through `torch.ops.dma.encode_cache_tokens` (formats.py's
+rounding: the Triton quantization passes on CUDA). Sequences may have
+different lengths: `append(..., num_tokens=)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dma_compile import cache_formats
+from dma_compile.ops_decode import decode_attention, encode_cache_tokens
+from dma_compile.policy import AttentionPolicy, as_policy
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class QuantizedKV:
+    """KV cache of one layer: (batch, kv_heads, capacity, head_dim) in `policy`'s formats."""
+
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        policy: AttentionPolicy | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ):
+        self.policy = as_policy(policy) if policy is not None else AttentionPolicy()
+        self.batch, self.kv_heads = _positive_int("batch", batch), _positive_int("kv_heads", kv_heads)
+        self.head_dim, self.capacity = _positive_int("head_dim", head_dim), _positive_int("capacity", capacity)
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+        self.dtype, self.device = dtype, torch.device(device)
+        quantized = (self.policy.cache_k, self.policy.cache_v) != ("none", "none")
+        self.sink = self.policy.sink_tiles * self.policy.tile if quantized else 0
+        self.recent = self.policy.recent_tokens if quantized else 0
+        self.k_payload, self.k_scales = self._alloc(self.policy.cache_k)
+        self.v_payload, self.v_scales = self._alloc(self.policy.cache_v)
+        slots = self.sink + self.recent
+        shape = (batch, kv_heads, slots, head_dim)
+        self.hi_k = torch.zeros(shape, dtype=dtype, device=self.device) if slots else None
+        self.hi_v = torch.zeros(shape, dtype=dtype, device=self.device) if slots else None
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        self.max_length = 0
+
+    def _alloc(self, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        elems, scales = cache_formats.payload_shape(fmt, self.head_dim)
+        lead = (self.batch, self.kv_heads, self.capacity)
+        payload = torch.zeros(*lead, elems, dtype=self.dtype if fmt == "none" else torch.uint8, device=self.device)
+        if scales == 0:
+            return payload, None
+        per_token = () if fmt == "mxfp8_e4m3" else (scales,)
+        return payload, torch.zeros(*lead, *per_token, dtype=torch.uint8, device=self.device)
+
+    def nbytes(self) -> int:
+        """Bytes allocated, scales and the input-dtype part included."""
+        tensors = (self.k_payload, self.k_scales, self.v_payload, self.v_scales, self.hi_k, self.hi_v)
+        return sum(x.numel() * x.element_size() for x in tensors if x is not None)
+
+    def _check(self, name: str, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a (batch, kv_heads, tokens, head_dim) tensor")
+        expected = (self.batch, self.kv_heads, self.head_dim)
+        if (x.shape[0], x.shape[1], x.shape[3]) != expected:
+            raise ValueError(f"{name}: (batch, kv_heads, head_dim) must be {expected}, got {tuple(x.shape)}")
+        if x.dtype != self.dtype or x.device != self.device:
+            raise ValueError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
+
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, num_tokens: torch.Tensor | None = None, impl: str = "auto"
+    ) -> None:
+        """Write k, v (batch, kv_heads, T, head_dim) after each sequence's tokens.
+
+        num_tokens (batch,): how many of the T tokens each sequence takes (the
+        first ones); all T when None. impl: how tokens are quantized
+        (`ops_decode.encode_cache_tokens`). With num_tokens None and T within
+        the recent window (decode steps) nothing waits for the GPU.
+        """
+        self._check("k", k)
+        self._check("v", v)
+        if k.shape != v.shape:
+            raise ValueError(f"v: shape must match k's {tuple(k.shape)}, got {tuple(v.shape)}")
+        t = k.shape[2]
+        step = torch.arange(t, device=self.device)
+        if num_tokens is None and (self.hi_k is None or t <= self.recent):
+            count = None
+            new_max = self.max_length + t
+            bi = torch.arange(self.batch, device=self.device)[:, None].expand(self.batch, t)
+            ti = step[None, :].expand(self.batch, t)
+        else:
+            count = torch.full((self.batch,), t, device=self.device) if num_tokens is None else num_tokens.to(self.device)
+            if count.shape != (self.batch,) or bool(((count < 0) | (count > t)).any()):
+                raise ValueError(f"num_tokens must be (batch,) = ({self.batch},) values in 0..{t}")
+            new_max = int((self.lengths + count).max())
+            bi, ti = (step[None, :] < count[:, None]).nonzero(as_tuple=True)
+        if new_max > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} tokens per sequence; appending would need {new_max}")
+        p = self.lengths[bi].long() + ti
+        for x, fmt, payload, scales in (
+            (k, self.policy.cache_k, self.k_payload, self.k_scales),
+            (v, self.policy.cache_v, self.v_payload, self.v_scales),
+        ):
+            enc, sc = encode_cache_tokens(x[bi, :, ti], fmt, self.policy.scale_rule, impl)
+            payload[bi, :, p] = enc
+            if sc is not None:
+                scales[bi, :, p] = sc
+        if self.hi_k is not None:
+            if count is not None:
+                # The sinks, and the last `recent` new tokens (older ones would share ring slots).
+                keep = (p < self.sink) | (ti >= count[bi] - self.recent)
+                bi, ti, p = bi[keep], ti[keep], p[keep]
+            slot = cache_formats.high_slots(p, self.sink, self.recent)
+            self.hi_k[bi, :, slot] = k[bi, :, ti]
+            self.hi_v[bi, :, slot] = v[bi, :, ti]
+        self.lengths += t if count is None else count.to(torch.int32)
+        self.max_length = max(self.max_length, new_max)
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to hold `capacity` tokens per sequence, keeping the contents."""
+        if _positive_int("capacity", capacity) < self.max_length:
+            raise ValueError(f"capacity must be >= the cached length {self.max_length}, got {capacity}")
+        old = {name: getattr(self, name) for name in ("k_payload", "k_scales", "v_payload", "v_scales")}
+        self.capacity = capacity
+        self.k_payload, self.k_scales = self._alloc(self.policy.cache_k)
+        self.v_payload, self.v_scales = self._alloc(self.policy.cache_v)
+        n = self.max_length
+        for name, x in old.items():
+            if x is not None:
+                getattr(self, name)[:, :, :n] = x[:, :, :n]
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as the cache holds them, float32 (batch, kv_heads, max_length, head_dim)."""
+        common = (self.lengths, self.max_length, self.sink, self.recent)
+        k = cache_formats.stored_values(self.k_payload, self.k_scales, self.hi_k, *common, self.policy.cache_k)
+        v = cache_formats.stored_values(self.v_payload, self.v_scales, self.hi_v, *common, self.policy.cache_v)
+        return k, v
+
+    def attend(self, q: torch.Tensor, scale: float | None = None, impl: str = "auto") -> torch.Tensor:
+        """Attention of q (batch, heads, T, head_dim), the T tokens appended last,
+        over the cache, through `torch.ops.dma.decode_attention`."""
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and self.max_length < q.shape[2]:
+            raise ValueError(f"q: {q.shape[2]} query tokens but the cache holds at most {self.max_length}")
+        return decode_attention(
+            q, self.k_payload, self.k_scales, self.v_payload, self.v_scales, self.hi_k, self.hi_v,
+            self.lengths, self.max_length, self.sink, self.recent, self.policy, scale, impl,
+        )
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self.max_length = 0

@@ -1,0 +1,46 @@
+"""KV-cache token formats: encoding and decoding agree with formats.py's rounding."""
+
+import pytest
+import torch
+
+from dma_compile import cache_formats
+from dma_compile.formats import fake_quantize
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+@pytest.mark.parametrize("scale_rule", ["rceil", "floor"])
+def test_round_trip_is_formats_rounding(fmt, scale_rule, seed):
+    # Magnitudes spread over many binades per token, so the folding's re-rounding matters.
+    x = (torch.randn(3, 2, 17, 64) * torch.exp2(torch.randint(-12, 12, (3, 2, 17, 64)).float())).bfloat16()
+    payload, scales = cache_formats.encode(x, fmt, scale_rule)
+    assert payload.dtype == torch.uint8 and scales.dtype == torch.uint8
+    assert payload.shape[-1] == cache_formats.payload_shape(fmt, 64)[0]
+    assert scales.shape == ((3, 2, 17) if fmt == "mxfp8_e4m3" else (3, 2, 17, 2))
+    expected = fake_quantize(x, fmt, scale_rule, folded=fmt == "mxfp8_e4m3")
+    torch.testing.assert_close(cache_formats.decode(payload, scales, fmt, 64), expected, rtol=0, atol=0)
+
+
+def test_none_keeps_the_input():
+    x = torch.randn(2, 5, 32, dtype=torch.float16)
+    payload, scales = cache_formats.encode(x, "none")
+    assert scales is None and torch.equal(cache_formats.decode(payload, scales, "none", 32), x.float())
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+def test_nonfinite_tokens_read_nan_others_untouched(fmt):
+    x = torch.randn(4, 64)
+    x[1, 3] = float("nan")
+    x[2, 40] = float("inf")
+    out = cache_formats.decode(*cache_formats.encode(x, fmt), fmt, 64)
+    assert torch.isnan(out[1, :32]).all() and torch.isnan(out[2, 32:]).all()
+    assert torch.isfinite(out[[0, 3]]).all()
+
+
+def test_bytes_per_token():
+    assert cache_formats.bytes_per_token("none", 128, torch.bfloat16) == 256
+    assert cache_formats.bytes_per_token("mxfp8_e4m3", 128, torch.bfloat16) == 129
+    assert cache_formats.bytes_per_token("mxfp4_e2m1", 128, torch.bfloat16) == 68
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cache_formats.payload_shape("mxfp4_e2m1", 48)
+    with pytest.raises(ValueError, match="cache format must be one of"):
+        cache_formats.encode(torch.zeros(1, 32), "int8")

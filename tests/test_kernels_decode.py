@@ -1,0 +1,113 @@
+"""The split-K decode kernel against the reference decode (interpreter on CPU)."""
+
+import pytest
+import torch
+
+from dma_compile.kv_cache import QuantizedKV
+from dma_compile.policy import AttentionPolicy
+from dma_compile.reference import decode_attention_math
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BASE = AttentionPolicy(tile=32, recent_tokens=16)
+
+
+def _cache(policy, b, hkv, d, lengths, dtype, capacity=None):
+    cache = QuantizedKV(b, hkv, d, capacity or int(max(lengths)) + 8, policy, dtype, DEVICE)
+    n = int(max(lengths))
+    k = (torch.randn(b, hkv, n, d, device=DEVICE) + torch.randn(b, hkv, 1, d, device=DEVICE)).to(dtype)
+    v = torch.randn(b, hkv, n, d, device=DEVICE).to(dtype)
+    cache.append(k, v, num_tokens=torch.tensor(lengths, device=DEVICE))
+    return cache
+
+
+def _check(cache, q, chunk=None, scale=None):
+    from dma_compile.kernels.decode import decode_attention
+
+    c = cache
+    out = decode_attention(
+        q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths, c.max_length,
+        c.sink, c.recent, c.policy.cache_k, c.policy.cache_v, scale, chunk,
+    )
+    expected = decode_attention_math(q, *c.values(), c.lengths, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    return out
+
+
+@pytest.mark.parametrize(
+    "k_fmt,v_fmt,hq,hkv,d,t,lengths",
+    [
+        ("mxfp8_e4m3", "mxfp8_e4m3", 9, 3, 64, 1, [100, 37, 61]),   # SmolLM2's GQA, tails, ragged
+        ("mxfp4_e2m1", "mxfp8_e4m3", 4, 1, 128, 3, [90, 75]),       # multi-token decode, D128
+        ("mxfp4_e2m1", "none", 2, 2, 32, 2, [67]),
+        ("none", "none", 6, 2, 64, 3, [50, 13]),
+    ],
+)
+def test_kernel_matches_reference(k_fmt, v_fmt, hq, hkv, d, t, lengths, seed):
+    policy = BASE.replace(cache_k=k_fmt, cache_v=v_fmt)
+    cache = _cache(policy, len(lengths), hkv, d, lengths, torch.bfloat16)
+    q = torch.randn(len(lengths), hq, t, d, device=DEVICE).bfloat16()
+    _check(cache, q, chunk=16)
+
+
+def test_fp16_small_values_and_no_window(seed):
+    # fp16 with values far below 1: the V scales must not underflow in P.
+    policy = AttentionPolicy(tile=32, sink_tiles=0, recent_tokens=0, cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
+    cache = QuantizedKV(2, 1, 32, 64, policy, torch.float16, DEVICE)
+    k = torch.randn(2, 1, 40, 32, device=DEVICE).half()
+    v = (torch.randn(2, 1, 40, 32, device=DEVICE) * 1e-5).half()
+    cache.append(k, v)
+    q = torch.randn(2, 2, 1, 32, device=DEVICE).half()
+    out = _check(cache, q, chunk=32, scale=0.3)
+    assert out.abs().max() > 1e-7
+
+
+def test_chunking_does_not_change_the_result(seed):
+    policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
+    cache = _cache(policy, 1, 1, 32, [120], torch.bfloat16)
+    q = torch.randn(1, 2, 1, 32, device=DEVICE).bfloat16()
+    a, b = _check(cache, q, chunk=16), _check(cache, q, chunk=64)
+    torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+
+
+def test_op_door_routes_to_the_kernel(seed):
+    policy = BASE.replace(cache_k="mxfp4_e2m1", cache_v="mxfp8_e4m3")
+    cache = _cache(policy, 2, 1, 32, [70, 52], torch.bfloat16)
+    q = torch.randn(2, 3, 1, 32, device=DEVICE).bfloat16()
+    ref = cache.attend(q, impl="reference")
+    torch.testing.assert_close(cache.attend(q, impl="triton").float(), ref.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        cache.attend(q, impl="cuda")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+@pytest.mark.parametrize("scale_rule", ["rceil", "floor"])
+def test_encode_kernel_is_bit_exact(fmt, scale_rule, seed):
+    from dma_compile import cache_formats
+    from dma_compile.ops_decode import encode_cache_tokens
+
+    x = (torch.randn(3, 5, 64, device=DEVICE) * torch.exp2(torch.randint(-20, 20, (3, 5, 64), device=DEVICE).float()))
+    x = x.bfloat16()
+    x[1, 2, 7] = float("nan")
+    x[2, 0, 40] = float("inf")
+    payload, scales = encode_cache_tokens(x, fmt, scale_rule, impl="triton")
+    want_payload, want_scales = cache_formats.encode(x, fmt, scale_rule)
+    assert torch.equal(scales, want_scales)
+    finite = torch.isfinite(x).all(dim=-1)
+    assert torch.equal(payload[finite], want_payload[finite])
+    got = cache_formats.decode(payload, scales, fmt, 64)
+    want = cache_formats.decode(want_payload, want_scales, fmt, 64)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_nan_reaches_exactly_the_rows_that_see_it(seed):
+    policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
+    cache = QuantizedKV(2, 2, 32, 80, policy, torch.bfloat16, DEVICE)
+    k, v = torch.randn(2, 2, 70, 32, device=DEVICE).bfloat16(), torch.randn(2, 2, 70, 32, device=DEVICE).bfloat16()
+    k[0, 1, 40, 3] = float("nan")  # a quantized (middle) token of sequence 0, KV head 1
+    cache.append(k, v)
+    q = torch.randn(2, 4, 1, 32, device=DEVICE).bfloat16()
+    out = cache.attend(q, impl="triton")
+    assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any() and not out[1].isnan().any()
+    ref = cache.attend(q, impl="reference")
+    assert torch.equal(out.isnan(), ref.isnan())
