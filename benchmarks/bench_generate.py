@@ -6,9 +6,9 @@
 
 Builds LlamaForCausalLM with random bf16 weights at Llama-3-8B's layer shapes
 (hidden 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 14336, vocab
-128256; --layers of them) and runs greedy generate() at batch 1 on random
-prompts, for stock SDPA and DMA (the device's default policy and Hopper's with
-FP8 P·V):
+128256; --layers decoder layers, 4 of the 32 by default, so that a run fits a
+few minutes) and runs greedy generate() at batch 1 on random prompts, for stock
+SDPA and DMA (the device's default policy and Hopper's with FP8 P·V):
 
 - eager: attn_implementation="sdpa", or "dma" after dma_compile.hf.register(policy);
 - compiled (--compiled): model.forward = torch.compile(model.forward,
@@ -19,9 +19,9 @@ Per variant and prompt length, from a streamer that notes when each new token
 reaches the host: time to first token (prefill and the first token, from the
 generate call on, after a CUDA synchronize) and decode tokens/s (the other new
 tokens over the time from the first to the last), medians of --repeats calls
-after warm-up (the first generate, one for the logits and --warmup more); the SDPA call sites of
-the compiled prefill graph that run dma.attention (the backend's RewriteReport),
-and the last-position prefill logits against the matching SDPA variant (eager
+after warm-up (the first generate, one for the logits and --warmup more); the
+SDPA call sites of the compiled prefill graph that run dma.attention (the
+backend's RewriteReport); and the last-position prefill logits against the matching SDPA variant (eager
 against eager, compiled against compiled): relative L2 error and argmax
 agreement. Prints one tabulate table and writes everything as JSON to --out
 (rewritten after each measurement, so a run cut short keeps what it measured).
@@ -57,6 +57,7 @@ TINY = dict(
 # Issue 14's targets on the H200, as (mode, prompt length, minimum TTFT ratio vs SDPA).
 TTFT_TARGETS = (("eager", 16384, 1.0), ("compiled", 4096, 1.0), ("compiled", 16384, 1.4))
 DECODE_TARGET = 0.97  # decode tokens/s of every DMA variant over SDPA's
+VARIANT_NAMES = ("sdpa", "dma", "dma-fp8pv")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--warmup", type=int, default=1, help="untimed generate calls per measurement, besides two")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="sdpa,dma,dma-fp8pv", help="subset of sdpa,dma,dma-fp8pv (each mode)")
     parser.add_argument("--compiled", action="store_true", help="also the torch.compile variants (slow to compile)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, to check the script itself")
     parser.add_argument("--out", default="bench_generate.json", help="JSON results path")
@@ -88,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--prompt-lens: expected comma-separated integers, got {args.prompt_lens!r}")
     if min(args.prompt_lens) < 1:
         parser.error("--prompt-lens: lengths must be positive")
+    args.variants = args.variants.split(",")
+    unknown = set(args.variants) - set(VARIANT_NAMES)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; accepted: {', '.join(VARIANT_NAMES)}")
     if args.new_tokens < 2:
         parser.error("--new-tokens: at least 2 (decode speed needs tokens after the first)")
     if args.layers < 1 or args.repeats < 1 or args.warmup < 0:
@@ -97,10 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def variants(device: torch.device, compiled: bool) -> list[Variant]:
+def variants(device: torch.device, names: list[str], compiled: bool) -> list[Variant]:
     policies = {"sdpa": None, "dma": default_policy(device), "dma-fp8pv": AttentionPolicy.hopper().replace(pv="fp8")}
     modes = ("eager", "compiled") if compiled else ("eager",)
-    return [Variant(name, mode, policy) for mode in modes for name, policy in policies.items()]
+    return [Variant(name, mode, policies[name]) for mode in modes for name in VARIANT_NAMES if name in names]
 
 
 def build_model(args, device: torch.device):
@@ -131,6 +137,10 @@ def set_up(model, variant: Variant, eager_forward):
     """Point the model at the variant; returns the DmaBackend of a compiled DMA variant."""
     torch._dynamo.reset()
     model.forward = eager_forward
+    # generate() sizes a static cache at least as large as an earlier call's
+    # (older transformers keep the cache itself): start from none.
+    for name in ("_cache", "_previous_max_cache_length"):
+        model.__dict__.pop(name, None)
     if variant.mode == "eager":
         if variant.policy is not None:
             dma_compile.hf.register(variant.policy)
@@ -138,6 +148,7 @@ def set_up(model, variant: Variant, eager_forward):
         return None
     model.set_attn_implementation("sdpa")
     backend = "inductor" if variant.policy is None else dma_backend(variant.policy)
+    # Static shapes: one prefill graph per prompt length (compiled afresh after the reset) and one decode graph.
     model.forward = torch.compile(eager_forward, backend=backend, mode="reduce-overhead", dynamic=False)
     return None if variant.policy is None else backend
 
@@ -233,7 +244,7 @@ def run(args, device, results, save) -> None:
     eager_forward = model.forward
     gen = torch.Generator().manual_seed(args.seed)
     prompts = {n: torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device) for n in args.prompt_lens}
-    todo = variants(device, args.compiled)
+    todo = variants(device, args.variants, args.compiled)
     reference = {}
     logs = LogLines()
     dma_logger = logging.getLogger("dma_compile")
@@ -261,7 +272,6 @@ def run(args, device, results, save) -> None:
             add_ratios(results["rows"])
             save()
             steps.update()
-            model.__dict__.pop("_cache", None)  # a static cache sized for this prompt
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -50,6 +50,7 @@ def test_tiny_run_has_every_variant_with_finite_numbers(bench, tmp_path, capsys)
         (["--prompt-lens", "4k"], "--prompt-lens: expected comma-separated integers"),
         (["--prompt-lens", "0"], "--prompt-lens: lengths must be positive"),
         (["--new-tokens", "1"], "--new-tokens: at least 2"),
+        (["--variants", "sdpa,flash"], "--variants: unknown ['flash']"),
     ],
 )
 def test_bad_arguments_name_the_option(bench, capsys, argv, message):
