@@ -209,7 +209,8 @@ class PrefillSites:
 def measure(args, model, variant: Variant, backend, ids, device, row: dict) -> torch.Tensor:
     """Fills row with the timings; returns the last-position prefill logits."""
     sites = PrefillSites(model, backend) if backend is not None else None
-    # The full-length call first: a static cache is sized by it and reused by the shorter calls.
+    # The full-length call first: it sizes the static cache, and the shorter calls
+    # after it get one of the same size, so they run the same compiled graphs.
     first_token_s, decode_s = timed_generate(model, ids, variant, args.new_tokens, device)
     row["first_generate_s"] = first_token_s + decode_s
     if sites is not None:
@@ -347,6 +348,9 @@ def main(argv=None) -> dict:
           "graph that run dma.attention, of all seen. Logits: last prompt position vs the SDPA row's.")
     for line in target_lines(results["rows"]):
         print(line)
+    for row in results["rows"]:
+        for line in row.get("log", []):  # each logged once per process: at the first row that met it
+            print(f"dma_compile logged at {row['variant']} ({row['mode']}) {row['prompt']}: {line}")
     print(f"\nresults written to {args.out}")
     return results
 
