@@ -1,7 +1,8 @@
 """Whole-flow benchmark: model.generate() on a Llama-3-8B-shaped model, stock SDPA vs DMA.
 
-    PYTHONPATH=. python3 benchmarks/bench_generate.py --out bench_generate.json              # eager, ~3 min on an H200
+    PYTHONPATH=. python3 benchmarks/bench_generate.py --out bench_generate.json              # eager variants
     PYTHONPATH=. python3 benchmarks/bench_generate.py --compiled --out bench_generate.json   # and torch.compile
+    PYTHONPATH=. python3 benchmarks/bench_generate.py --modes compiled --variants sdpa,dma   # a subset
     PYTHONPATH=. python3 benchmarks/bench_generate.py --tiny                                 # CPU smoke run
 
 Builds LlamaForCausalLM with random bf16 weights at Llama-3-8B's layer shapes
@@ -11,7 +12,7 @@ few minutes) and runs greedy generate() at batch 1 on random prompts, for stock
 SDPA and DMA (the device's default policy and Hopper's with FP8 P·V):
 
 - eager: attn_implementation="sdpa", or "dma" after dma_compile.hf.register(policy);
-- compiled (--compiled): model.forward = torch.compile(model.forward,
+- compiled (--compiled or --modes compiled): model.forward = torch.compile(model.forward,
   mode="reduce-overhead") with Inductor's stock SDPA or backend=dma_backend(policy),
   and a static cache (cache_implementation="static").
 
@@ -58,6 +59,7 @@ TINY = dict(
 TTFT_TARGETS = (("eager", 16384, 1.0), ("compiled", 4096, 1.0), ("compiled", 16384, 1.4))
 DECODE_TARGET = 0.97  # decode tokens/s of every DMA variant over SDPA's
 VARIANT_NAMES = ("sdpa", "dma", "dma-fp8pv")
+MODES = ("eager", "compiled")
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed generate calls per measurement, besides two")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="sdpa,dma,dma-fp8pv", help="subset of sdpa,dma,dma-fp8pv (each mode)")
-    parser.add_argument("--compiled", action="store_true", help="also the torch.compile variants (slow to compile)")
+    parser.add_argument("--modes", default="eager", help="subset of eager,compiled (compiled is slow to compile)")
+    parser.add_argument("--compiled", action="store_true", help="shorthand for --modes eager,compiled")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, to check the script itself")
     parser.add_argument("--out", default="bench_generate.json", help="JSON results path")
     parser.add_argument("--seed", type=int, default=0)
@@ -94,6 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.variants) - set(VARIANT_NAMES)
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; accepted: {', '.join(VARIANT_NAMES)}")
+    args.modes = ["eager", "compiled"] if args.compiled else args.modes.split(",")
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        parser.error(f"--modes: unknown {sorted(unknown)}; accepted: {', '.join(MODES)}")
     if args.new_tokens < 2:
         parser.error("--new-tokens: at least 2 (decode speed needs tokens after the first)")
     if args.layers < 1 or args.repeats < 1 or args.warmup < 0:
@@ -103,10 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def variants(device: torch.device, names: list[str], compiled: bool) -> list[Variant]:
+def variants(device: torch.device, names: list[str], modes: list[str]) -> list[Variant]:
     policies = {"sdpa": None, "dma": default_policy(device), "dma-fp8pv": AttentionPolicy.hopper().replace(pv="fp8")}
-    modes = ("eager", "compiled") if compiled else ("eager",)
-    return [Variant(name, mode, policies[name]) for mode in modes for name in VARIANT_NAMES if name in names]
+    return [Variant(name, mode, policies[name]) for mode in MODES if mode in modes
+            for name in VARIANT_NAMES if name in names]
 
 
 def build_model(args, device: torch.device):
@@ -245,7 +252,7 @@ def run(args, device, results, save) -> None:
     eager_forward = model.forward
     gen = torch.Generator().manual_seed(args.seed)
     prompts = {n: torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(device) for n in args.prompt_lens}
-    todo = variants(device, args.variants, args.compiled)
+    todo = variants(device, args.variants, args.modes)
     reference = {}
     logs = LogLines()
     dma_logger = logging.getLogger("dma_compile")

@@ -51,6 +51,7 @@ def test_tiny_run_has_every_variant_with_finite_numbers(bench, tmp_path, capsys)
         (["--prompt-lens", "0"], "--prompt-lens: lengths must be positive"),
         (["--new-tokens", "1"], "--new-tokens: at least 2"),
         (["--variants", "sdpa,flash"], "--variants: unknown ['flash']"),
+        (["--modes", "eager,jit"], "--modes: unknown ['jit']"),
     ],
 )
 def test_bad_arguments_name_the_option(bench, capsys, argv, message):
@@ -58,6 +59,11 @@ def test_bad_arguments_name_the_option(bench, capsys, argv, message):
         bench.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_compiled_is_shorthand_for_both_modes(bench):
+    assert bench.parse_args(["--compiled"]).modes == ["eager", "compiled"]
+    assert bench.parse_args(["--modes", "compiled"]).modes == ["compiled"]
 
 
 def test_targets_are_judged_per_mode_and_length(bench):
