@@ -156,11 +156,12 @@ def model_decode(layers: int, context: int, batch: int, steps: int = 32) -> dict
             cache = dma_compile.hf.DMACache(model, CACHES[name])
         # Chunked prefill keeps SDPA's explicit masks (StaticCache) small.
         for start in range(0, context, PREFILL_CHUNK):
-            model(ids[:, start : min(start + PREFILL_CHUNK, context)], cache=cache, use_cache=True)
+            model(ids[:, start : min(start + PREFILL_CHUNK, context)], **dma_compile.hf.cache_kwargs(model, cache),
+                  use_cache=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for i in range(context, context + steps):
-            model(ids[:, i : i + 1], cache=cache, use_cache=True)
+            model(ids[:, i : i + 1], **dma_compile.hf.cache_kwargs(model, cache), use_cache=True)
         torch.cuda.synchronize()
         result[f"{name}_tok_s"] = steps * batch / (time.perf_counter() - start)
         del cache

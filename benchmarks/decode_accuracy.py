@@ -66,10 +66,10 @@ def sdpa_nll(model, window: torch.Tensor, prefix: int) -> float:
 def cache_nll(model, window: torch.Tensor, prefix: int, policy: AttentionPolicy, bar) -> float:
     """Summed NLL of tokens prefix .. end, decoded one at a time through a DMACache."""
     cache = dma_compile.hf.DMACache(model, policy)
-    logits = model(window[None, :prefix], cache=cache, use_cache=True).logits[0, -1:]
+    logits = model(window[None, :prefix], **dma_compile.hf.cache_kwargs(model, cache), use_cache=True).logits[0, -1:]
     total = float(F.cross_entropy(logits.float(), window[prefix : prefix + 1], reduction="sum"))
     for i in range(prefix, window.numel() - 1):
-        logits = model(window[None, i : i + 1], cache=cache, use_cache=True).logits[0]
+        logits = model(window[None, i : i + 1], **dma_compile.hf.cache_kwargs(model, cache), use_cache=True).logits[0]
         total += float(F.cross_entropy(logits.float(), window[i + 1 : i + 2], reduction="sum"))
         bar.update(1)
     return total

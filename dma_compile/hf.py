@@ -12,9 +12,12 @@ once.
 
 Generation through the quantized KV cache (dma_compile.kv_cache), one line:
 
-    out = model.generate(ids, cache=dma_compile.hf.DMACache(model), max_new_tokens=64)
+    out = model.generate(ids, **dma_compile.hf.cache_kwargs(model, dma_compile.hf.DMACache(model)),
+                         max_new_tokens=64)
 
-(older transformers name it `past_key_values=`). The model must use
+(`cache_kwargs` gives the keyword this transformers version takes: `cache=`
+in 5.2x, `past_key_values=` before; one keyword or the other also works
+directly). The model must use
 attn_implementation="dma". Each layer's cache stores tokens as its policy's
 `cache_k` / `cache_v` say (default: the FP8 cache, `mxfp8_e4m3` for both);
 the prefill runs the DMA prefill op on the prompt's own K/V, and every later
@@ -26,6 +29,7 @@ the dequantized cache through SDPA instead, logged once). Eager only so far.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 
@@ -50,6 +54,14 @@ _UNSUPPORTED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks")
 _CACHE_KWARG = "dma_cache_layer"
 # Tokens a DMACache layer allocates at first, doubling when full.
 _INITIAL_CAPACITY = 1024
+
+
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """{keyword: cache} for `model(...)` and `model.generate(...)`: transformers
+    renamed `past_key_values` to `cache` (5.2x), and a model given the
+    keyword it does not know ignores the cache without an error."""
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,6 +23,13 @@ from dma_compile.ops_decode import decode_attention, encode_cache_tokens
 from dma_compile.policy import AttentionPolicy, as_policy
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """device with its index: torch.device("cuda") as the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -47,7 +54,8 @@ class QuantizedKV:
         self.head_dim, self.capacity = _positive_int("head_dim", head_dim), _positive_int("capacity", capacity)
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
-        self.dtype, self.device = dtype, torch.device(device)
+        # "cuda" and "cuda:0" must compare equal to the tensors appended later.
+        self.dtype, self.device = dtype, _indexed(torch.device(device))
         quantized = (self.policy.cache_k, self.policy.cache_v) != ("none", "none")
         self.sink = self.policy.sink_tiles * self.policy.tile if quantized else 0
         self.recent = self.policy.recent_tokens if quantized else 0
@@ -80,7 +88,7 @@ class QuantizedKV:
         expected = (self.batch, self.kv_heads, self.head_dim)
         if (x.shape[0], x.shape[1], x.shape[3]) != expected:
             raise ValueError(f"{name}: (batch, kv_heads, head_dim) must be {expected}, got {tuple(x.shape)}")
-        if x.dtype != self.dtype or x.device != self.device:
+        if x.dtype != self.dtype or _indexed(x.device) != self.device:
             raise ValueError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
 
     def append(

@@ -13,9 +13,9 @@ FP8 = EXACT.replace(tile=32, cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3", recent_
 
 def teacher_forced(model, ids, prefix, cache):
     """Logits of positions prefix-1 .. end: prefill the prefix, then one token at a time."""
-    out = [model(ids[:, :prefix], cache=cache, use_cache=True).logits[:, -1:]]
+    out = [model(ids[:, :prefix], **dma_compile.hf.cache_kwargs(model, cache), use_cache=True).logits[:, -1:]]
     for i in range(prefix, ids.shape[1] - 1):
-        out.append(model(ids[:, i : i + 1], cache=cache, use_cache=True).logits)
+        out.append(model(ids[:, i : i + 1], **dma_compile.hf.cache_kwargs(model, cache), use_cache=True).logits)
     return torch.cat(out, dim=1)
 
 
@@ -42,7 +42,8 @@ def test_fp8_cache_is_close_and_generate_runs(seed):
         err = ((out - expected).norm() / expected.norm()).item()
         assert 0 < err < 0.05, f"seed {seed}: {err}"
         cache = dma_compile.hf.DMACache(dma, FP8)
-        tokens = dma.generate(ids[:, :10], cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0)
+        tokens = dma.generate(ids[:, :10], **dma_compile.hf.cache_kwargs(dma, cache), max_new_tokens=30,
+                              do_sample=False, pad_token_id=0)
     # Past the 32 sink tokens and the 4 recent ones, the cache holds quantized tokens.
     layer = cache.layers[0].store
     assert tokens.shape == (1, 40) and layer.max_length == 39 and layer.k_scales is not None
@@ -56,7 +57,7 @@ def test_padded_batch_generation_matches_sdpa(seed):
     mask[0, :5] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        out = dma.generate(ids, cache=dma_compile.hf.DMACache(dma, EXACT), **kwargs)
+        out = dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, EXACT)), **kwargs)
         assert torch.equal(out, sdpa.generate(ids, **kwargs)), f"seed {seed}"
 
 
