@@ -6,23 +6,30 @@ another format the policy names) elsewhere. `torch.compile(model,
 backend="dma")` rewrites a model's SDPA calls into it: Dynamo finds the name
 through the installed entry point, or, in a source checkout that was never
 installed, through the registration below on `import dma_compile`.
+
+Every name below loads its module on first use, so `import dma_compile` (and
+with it `dma-compile --help`) does not import torch where the package is
+installed.
 """
 
+import importlib
+import sys
+import types
 from importlib.metadata import entry_points
-
-from dma_compile.calibrate import calibrate
-from dma_compile.formats import quantize_mx
-from dma_compile.ops import dma_attention
-from dma_compile.ops_decode import decode_attention  # registers dma::decode_attention
-from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
-from dma_compile.prepare import warmup
 
 __version__ = "0.1.0"
 
-# Heavier layers load on first use, so `import dma_compile` stays cheap.
 _LAZY = {
+    "AttentionPolicy": "dma_compile.policy",
+    "ModelPolicy": "dma_compile.policy",
+    "default_policy": "dma_compile.policy",
+    "calibrate": "dma_compile.calibrate",
+    "dma_attention": "dma_compile.ops",
+    "quantize_mx": "dma_compile.formats",
     "dma_backend": "dma_compile.backend",
     "install_inductor_pass": "dma_compile.backend",
+    "decode_attention": "dma_compile.ops_decode",
+    "warmup": "dma_compile.prepare",
 }
 
 
@@ -47,20 +54,20 @@ _register_backend()
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dma_compile' has no attribute {name!r}")
 
 
-__all__ = [
-    "AttentionPolicy",
-    "ModelPolicy",
-    "calibrate",
-    "decode_attention",
-    "default_policy",
-    "dma_attention",
-    "quantize_mx",
-    "warmup",
-    *_LAZY,
-]
+class _Package(types.ModuleType):
+    """Importing the submodule `dma_compile.calibrate` binds it as the package's
+    attribute `calibrate`; the package's `calibrate` stays the function."""
+
+    def __setattr__(self, name, value):
+        if name == "calibrate" and isinstance(value, types.ModuleType):
+            value = value.calibrate
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+__all__ = list(_LAZY)

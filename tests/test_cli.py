@@ -2,6 +2,11 @@
 calibrate and compare subcommands work on a tiny model."""
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +75,13 @@ def run(capsys, *argv):
         (["compare", "--model", "{model}", "--text", "{text}", "--policy", "{root}/none.json"], "does not exist"),
         (["compare", "--model", "{model}", "--text", "{empty}"], "is empty"),
         (["compare", "--model", "{model}", "--text", "{text}", "--windows", "0"], "must be >= 1"),
+        (["compare", "--model", "{model}", "--text", "{text}", "--json", "{root}/no/dir/out.json"],
+         "--json: directory"),
+        (["compare", "--model", "{model}", "--text", "{text}", "--plot", "{root}/no/dir/errors.png"],
+         "--plot: directory"),
+        (["compare", "--model", "{model}", "--text", "{text}", "--json", "{root}"], "--json"),
+        (["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "0.1", "--out", "{root}"], "--out"),
+        (["quickstart", "--out", "{text}/sub"], "--out: cannot create directory"),
         ([], "required"),
     ],
 )
@@ -140,3 +152,87 @@ def test_eager_only_skips_the_compiled_prefill(files, capsys, monkeypatch, flag,
     code, out, _ = run(capsys, "compare", "--model", files["model"], "--text", files["text"], *flag)
     assert code == 0 and "report" in out
     assert seen["compiled_prefill"] is compiled
+
+
+@pytest.mark.parametrize("argv", [
+    ["compare", "--model", "{model}", "--text", "{text}", "--json", "{root}/no/dir/out.json"],
+    ["compare", "--model", "{model}", "--text", "{text}", "--json", "{root}/out.json", "--plot", "{root}/no/p.png"],
+    ["calibrate", "--model", "{model}", "--text", "{text}", "--budget", "0.1", "--out", "{root}/no/dir/p.json"],
+])
+def test_output_paths_are_checked_before_any_work(files, capsys, monkeypatch, argv):
+    import dma_compile.cli
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the output path must be checked before the model loads")
+
+    monkeypatch.setattr(dma_compile.cli, "_load_model", no_work)
+    monkeypatch.setattr(dma_compile.cli, "_read_text", no_work)
+    code, _, err = run(capsys, *[a.format(**files) for a in argv])
+    assert code == 2 and "does not exist" in err
+
+
+# Runs dma_compile.cli.main in a fresh interpreter and reports whether torch got imported.
+WITHOUT_TORCH = """
+import sys
+from dma_compile.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def _run_fresh(files, *argv) -> subprocess.CompletedProcess:
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *[a.format(**files) for a in argv]], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["--help"], 0),
+    (["compare", "--help"], 0),
+    (["calibrate", "--model", "{model}", "--budget", "-1", "--text", "{text}", "--out", "p.json"], 2),
+    (["compare", "--model", "{root}/missing", "--text", "{text}"], 2),
+    (["compare", "--model", "{model}", "--text", "{text}", "--plot", "{root}/no/dir/p.png"], 2),
+])
+def test_help_and_argument_errors_do_not_import_torch(files, argv, code):
+    done = _run_fresh(files, *argv)
+    assert done.returncode == code, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "torch imported: False"
+    if code == 0:
+        assert "usage: dma-compile" in done.stdout
+    else:
+        assert "error" in done.stderr.splitlines()[0]
+
+
+def test_cuda_home_warning_is_dropped_and_others_kept(caplog):
+    import logging
+
+    from dma_compile.cli import quiet_cuda_home_warning
+
+    quiet_cuda_home_warning()
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    with caplog.at_level(logging.WARNING):
+        logger.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local/cuda")
+        logger.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+
+
+def test_compile_check_reports_relative_figures(files):
+    import torch
+
+    from dma_compile.calibrate import load_model
+    from dma_compile.cli import compile_check
+
+    model, _ = load_model(files["model"])
+    window = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    line = compile_check(model, ModelPolicy(AttentionPolicy.preset("all_mxfp4")), window)
+    assert "compiled and ran 64 tokens" in line
+    assert "compiled against eager, same policy: logits relative L2" in line
+    assert "eager policy against eager SDPA: relative L2" in line
+    figures = [float(f) for f in re.findall(r"relative L2 ([0-9.]+)", line)]
+    assert len(figures) == 2 and all(0 <= f < 1 for f in figures)
+    assert figures[1] > 0  # all-MXFP4 moves the logits away from SDPA's

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dma_compile.calibrate import calibrate
-from dma_compile.compare import agreement, compare, perplexity, running_policy, standard_policies
+from dma_compile.compare import agreement, compare, perplexity, running_policy, spread, standard_policies
 from dma_compile.policy import AttentionPolicy, ModelPolicy
 from test_calibrate import tiny_model, tiny_text, tiny_tokenizer
 
@@ -23,6 +23,15 @@ def test_agreement():
     assert agreement(ref, ref.clone()) == (4, 1.0)
     assert agreement(ref, torch.tensor([5, 6, 0, 8])) == (2, 0.75)
     assert agreement(ref, torch.tensor([0, 6, 7, 8])) == (0, 0.75)
+
+
+def test_spread_over_prompts():
+    got = spread("first_divergence", [2, 4, 9])
+    assert got["first_divergence"] == pytest.approx(5.0)
+    # sample standard deviation sqrt(13) over sqrt(3 prompts)
+    assert got["first_divergence_sem"] == pytest.approx((13 / 3) ** 0.5)
+    assert got["first_divergence_per_prompt"] == [2, 4, 9]
+    assert spread("match_rate", [0.5])["match_rate_sem"] == 0.0
 
 
 def test_perplexity_matches_the_model_loss(setup):
@@ -50,7 +59,7 @@ def test_running_policy_changes_and_restores_the_attention(setup):
 def test_compare_tables_and_json(setup, tmp_path):
     model, tok, text, policy = setup
     result = compare(
-        model, text, policy, tokenizer=tok, windows=2, window_len=160, prompts=2, prompt_len=130, new_tokens=5,
+        model, text, policy, tokenizer=tok, windows=2, window_len=160, prompts=2, prompt_len=60, new_tokens=5,
         plot=tmp_path / "errors.png", progress=False,
     )
     names = list(standard_policies(policy))
@@ -58,6 +67,9 @@ def test_compare_tables_and_json(setup, tmp_path):
     assert list(result.policies) == names
     sdpa = result.policies["sdpa"]
     assert sdpa["first_divergence"] == 5 and sdpa["match_rate"] == 1.0 and sdpa["cost_sm100"] == 1.0
+    assert sdpa["first_divergence_per_prompt"] == [5, 5] and sdpa["first_divergence_sem"] == 0.0
+    for r in result.policies.values():
+        assert len(r["match_rate_per_prompt"]) == 2 and r["match_rate_sem"] >= 0
     for name, r in result.policies.items():
         assert r["perplexity"] > 1 and 0 <= r["match_rate"] <= 1 and 0 <= r["first_divergence"] <= 5
     assert result.policies["all_mxfp4"]["mxfp4_fraction"] == 1.0
@@ -71,14 +83,39 @@ def test_compare_tables_and_json(setup, tmp_path):
     for heading in ("(a) per-layer", "(b) held-out perplexity"):
         assert heading in report
     assert "calibrated policy" in result.tables["layers"]
+    assert "calib. rel L2: calibration's own, on 1 x 200-token windows" in result.tables["layers"]
+    assert "5.0 ± 0.0" in result.tables["model"] and "mean ± standard error over the prompts" in report
+    # Calibrated at 200 tokens, compared at 160: the report says why errors differ.
+    assert "calibrated on 200-token windows and is compared on 160-token ones" in report
     assert "(c)" not in report  # no GPU: no speed table
     assert "CPU run" in report
+    assert "holds 1 x 160 tokens of evaluation windows (asked for 2 x 160)" in report
+    assert "tokens of prompts" not in report
     assert (tmp_path / "errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     result.save_json(tmp_path / "out.json")
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved["policies"]["paper"]["perplexity"] == result.policies["paper"]["perplexity"]
     assert saved["settings"]["window_len"] == 160
+
+
+def test_no_length_note_when_calibrated_at_the_compared_length(setup):
+    model, tok, text, policy = setup
+    result = compare(model, text, policy, tokenizer=tok, windows=1, window_len=200, prompts=1, prompt_len=40,
+                     new_tokens=2, progress=False)
+    assert "Errors grow with length" not in result.report()
+
+
+def test_plot_into_a_missing_folder_fails_before_any_work(setup, tmp_path, monkeypatch):
+    import dma_compile.compare
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the plot path must be checked first")
+
+    monkeypatch.setattr(dma_compile.compare, "load_model", no_work)
+    model, tok, text, policy = setup
+    with pytest.raises(ValueError, match="plot: directory .* does not exist"):
+        compare(model, text, policy, tokenizer=tok, plot=tmp_path / "missing" / "errors.png", progress=False)
 
 
 def test_compare_rejects_a_policy_for_another_model(setup):
