@@ -575,7 +575,7 @@ def layer_sensitivity(model, window: torch.Tensor, probe: AttentionPolicy, probe
     layers about 30 times as much KL as the last ones. One forward pass per
     layer buys that correction for the "weighted" allocation.
     """
-    from dma_compile.compare import running_policy
+    from dma_compile.hf import running_policy
 
     ids = window[None].to(next(model.parameters()).device)
     # min_q_len above the window's length: every other layer runs stock SDPA.

@@ -273,7 +273,7 @@ def compile_check(model, policy, window) -> str:
     import torch
 
     from dma_compile.backend import dma_backend
-    from dma_compile.compare import running_policy
+    from dma_compile.hf import running_policy
 
     quiet_cuda_home_warning()
     device = next(model.parameters()).device

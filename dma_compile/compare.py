@@ -17,7 +17,6 @@ reference on CPU).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
@@ -39,6 +38,7 @@ from dma_compile.calibrate import (
     take_windows,
     tokenize,
 )
+from dma_compile.hf import running_policy
 from dma_compile.policy import ModelPolicy
 
 # (perplexity windows, tokens each, generation prompts, prompt tokens, new
@@ -112,24 +112,6 @@ def standard_policies(calibrated: ModelPolicy | None = None) -> dict[str, ModelP
         target = (calibrated.stats or {}).get("target")
         policies[f"calibrated ({target})" if target else "calibrated"] = calibrated
     return policies
-
-
-@contextlib.contextmanager
-def running_policy(model, policy: ModelPolicy | None):
-    """Within the block `model` runs its attention under `policy` through
-    dma_compile.hf's "dma" attention implementation (None: stock SDPA)."""
-    if policy is None:
-        yield
-        return
-    from dma_compile import hf
-
-    name = hf.register(policy)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name if isinstance(name, str) else "dma")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ the dequantized cache through SDPA instead, logged once). Eager only so far.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -139,6 +140,22 @@ def register(policy: ModelPolicy | str | os.PathLike | None = None, impl: str = 
     # Same boolean masks as SDPA (None when is_causal can stand in for them).
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME
+
+
+@contextlib.contextmanager
+def running_policy(model, policy: ModelPolicy | None):
+    """Within the block `model` runs its attention under `policy` through
+    dma_compile.hf's "dma" attention implementation (None: stock SDPA)."""
+    if policy is None:
+        yield
+        return
+    name = register(policy)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name if isinstance(name, str) else "dma")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 class DMACacheLayer(CacheLayerMixin):

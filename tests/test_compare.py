@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dma_compile.calibrate import calibrate
-from dma_compile.compare import agreement, compare, perplexity, running_policy, spread, standard_policies
+from dma_compile.compare import agreement, compare, perplexity, spread, standard_policies
+from dma_compile.hf import running_policy
 from dma_compile.policy import AttentionPolicy, ModelPolicy
 from test_calibrate import tiny_model, tiny_text, tiny_tokenizer
 
