@@ -31,7 +31,7 @@ import torch
 import triton
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.attention_sm90 import KIND_FP8, _kind, descriptor_geometry, quantize_inputs
+from dma_compile.kernels.attention_sm90 import KIND_FP8, LOG2E, _kind, descriptor_geometry, quantize_inputs
 from dma_compile.kernels.gluon_compat import (
     TensorDescriptor,
     fence_async_shared,
@@ -45,9 +45,9 @@ from dma_compile.kernels.gluon_compat import (
 from dma_compile.kernels.schedule import collapse_expanded_heads
 from dma_compile.policy import AttentionPolicy
 
-LOG2E = 1.4426950408889634
-ROWS_PER_CONSUMER = 64
-BLOCK_M = 2 * ROWS_PER_CONSUMER
+# Query rows of one consumer warpgroup (one wgmma M of 64) and of a program.
+ROWS = gl.constexpr(64)
+BLOCK_M = gl.constexpr(2 * 64)
 HEAD_DIMS = (64, 128)
 # Registers per thread at launch over the 12 warps (3 warpgroups) of a
 # program; setmaxnreg then moves them from the producer to the consumers.
@@ -80,8 +80,8 @@ def unsupported_reason(q, k, v, attn_mask, is_causal: bool, policy: AttentionPol
         # Keys past Lq then count for no row (masks.counted_key_arguments): their
         # V would have to be zeroed in the loop, as the Triton kernel does.
         return "the Gluon sm90 kernel does not take causal calls with Lq < Lk"
-    if policy.tile % BLOCK_M != 0:
-        return f"the Gluon sm90 kernel needs a precision tile that is a multiple of {BLOCK_M}"
+    if policy.tile % BLOCK_M.value != 0:
+        return f"the Gluon sm90 kernel needs a precision tile that is a multiple of {BLOCK_M.value}"
     return None
 
 
@@ -99,7 +99,7 @@ def _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
     two in the high one (docs/semantics.md's precision bands; `schedule.precision_band`)."""
     kv_end = Lk
     if IS_CAUSAL:
-        kv_end = gl.minimum(Lk, m0 + 128)
+        kv_end = gl.minimum(Lk, m0 + BLOCK_M)
     if ONE_CLASS:
         l0s, l0e, l1s, l1e = 0, kv_end, 0, 0
         h0s, h0e, h1s, h1e = 0, 0, 0, 0
@@ -263,7 +263,7 @@ def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, k_read
     n0 = gl.cdiv(r0e - r0s, BLOCK_N)
     n = n0 + gl.cdiv(r1e - r1s, BLOCK_N)
     if n > 0:
-        zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+        zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         start = _block_start(0, n0, r0s, r1s, BLOCK_N)
         ks = _key_scales(ks_ptr, start, True, Lk, KIND, s_layout, BLOCK_N)
         next_start = _block_start(1, n0, r0s, r1s, BLOCK_N)
@@ -351,7 +351,7 @@ def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_
     sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d = strides
     q_lo_smem, q_hi_smem = q_smems
     row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_layout)
+    rows = m0 + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
     b64 = b.to(gl.int64)
     h64 = h.to(gl.int64)
     q_row0 = (b64 * Hq + h64) * Lq
@@ -365,18 +365,18 @@ def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_
         _load_q(q_hi, Q_HI, sqh_m, sqh_d, b64 * sqh_b + h64 * sqh_h, rows, Lq, HEAD_DIM, load_layout)
     fence_async_shared()
 
-    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([64], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([64], gl.float32, row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc, m_i, l_i, v_count, turn = _consume_class(
         acc, m_i, l_i, _runtime_zero(), _runtime_zero(), q_lo, _row_scale(QS_LO, q_row0, rows, Lq, sm_scale, LO_KIND),
-        k_lo_ring, k_lo_ready, k_lo_empty, v_ring, v_ready, v_empty, turns, KS_LO + kv_head * Lk, rows, m0 + WG * 64, Lk,
+        k_lo_ring, k_lo_ready, k_lo_empty, v_ring, v_ready, v_empty, turns, KS_LO + kv_head * Lk, rows, m0 + WG * ROWS, Lk,
         l0s, l0e, l1s, l1e, WG, LO_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
         s_lo_layout, o_layout)
     if not ONE_CLASS:
         acc, m_i, l_i, v_count, turn = _consume_class(
             acc, m_i, l_i, v_count, turn, q_hi, _row_scale(QS_HI, q_row0, rows, Lq, sm_scale, HI_KIND),
-            k_hi_ring, k_hi_ready, k_hi_empty, v_ring, v_ready, v_empty, turns, KS_HI + kv_head * Lk, rows, m0 + WG * 64, Lk,
+            k_hi_ring, k_hi_ready, k_hi_empty, v_ring, v_ready, v_empty, turns, KS_HI + kv_head * Lk, rows, m0 + WG * ROWS, Lk,
             h0s, h0e, h1s, h1e, WG, HI_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
             s_hi_layout, o_layout)
 
@@ -405,13 +405,13 @@ def _dma_attention_gluon_kernel(
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     # Longest rows first: with causal masking the last query blocks do the most work.
-    m0 = (gl.cdiv(Lq, 128) - 1 - pid_m) * 128
+    m0 = (gl.cdiv(Lq, BLOCK_M) - 1 - pid_m) * BLOCK_M
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // (Hq // Hk)
 
-    q_lo_smem = gl.allocate_shared_memory(Q_LO.dtype.element_ty, [2, 64, HEAD_DIM], q_lo_layout)
-    q_hi_smem = gl.allocate_shared_memory(Q_HI.dtype.element_ty, [2, 64, HEAD_DIM], q_hi_layout)
+    q_lo_smem = gl.allocate_shared_memory(Q_LO.dtype.element_ty, [2, ROWS, HEAD_DIM], q_lo_layout)
+    q_hi_smem = gl.allocate_shared_memory(Q_HI.dtype.element_ty, [2, ROWS, HEAD_DIM], q_hi_layout)
     k_lo_ring = gl.allocate_shared_memory(k_lo_desc.dtype, [STAGES] + k_lo_desc.block_type.shape, k_lo_desc.layout)
     if ONE_CLASS:
         k_hi_ring = k_lo_ring
@@ -493,8 +493,8 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,
         PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), PINGPONG=pingpong, BLOCK_N=block_n, STAGES=stages,
-        q_lo_layout=gl.NVMMASharedLayout.get_default_for([64, d], _gl_dtype(q_lo)),
-        q_hi_layout=gl.NVMMASharedLayout.get_default_for([64, d], _gl_dtype(q_hi)),
+        q_lo_layout=gl.NVMMASharedLayout.get_default_for([ROWS.value, d], _gl_dtype(q_lo)),
+        q_hi_layout=gl.NVMMASharedLayout.get_default_for([ROWS.value, d], _gl_dtype(q_hi)),
         s_lo_layout=s_layout(lo_kind), s_hi_layout=s_layout(hi_kind),
         o_layout=gl.NVMMADistributedLayout([3, 0], [4, 1], [16, dv, 32 if pv_fp8 else 16]),
         load_layout=gl.BlockedLayout([1, 8], [32 // (d // 8), d // 8], [4, 1], [1, 0]),
@@ -535,7 +535,7 @@ def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, pol
     b, hq, _, lq, _, _, dv = shape
     out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
     args = _kernel_args(qi, out, shape, is_causal, scale, policy, **variant)
-    _dma_attention_gluon_kernel[(triton.cdiv(lq, BLOCK_M), b * hq)](**args, num_warps=4, maxnreg=MAXNREG)
+    _dma_attention_gluon_kernel[(triton.cdiv(lq, BLOCK_M.value), b * hq)](**args, num_warps=4, maxnreg=MAXNREG)
     return out
 
 
