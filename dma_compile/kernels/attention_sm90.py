@@ -509,6 +509,36 @@ def attention_sm90(
     return attention_from_quantized(qi, shape, attn_mask, is_causal, scale, policy, config, info)
 
 
+# (B, Hq, Hkv, L) of the launch that offline compiles specialise on.
+COMPILE_SHAPE = (1, 8, 2, 1024)
+
+
+def placeholder_inputs(policy: AttentionPolicy, dtype: torch.dtype, head_dim: int) -> QuantizedInputs:
+    """Small CPU tensors shaped as the quantization pass's output for a
+    COMPILE_SHAPE call (not meta tensors: descriptors read a data pointer);
+    what offline compiles of the Hopper kernels launch on."""
+    b, hq, hk, length = COMPILE_SHAPE
+    d = head_dim
+
+    def empty(*shape, dtype=dtype):
+        return torch.empty(*shape, dtype=dtype)
+
+    def operand(fmt: str, heads: int) -> Operand:
+        if fmt == "none":
+            return Operand(empty(b, heads, length, d))
+        if policy.mx_mode == "folded":
+            return Operand(empty(b, heads, length, d, dtype=torch.float8_e4m3fn),
+                           empty(b, heads, length, dtype=torch.int32), empty(b, heads, length, dtype=torch.float32))
+        return Operand(empty(b, heads, length, d, dtype=torch.bfloat16))
+
+    if policy.pv == "fp8":
+        v, v_scales = empty(b, hk, d, length, dtype=torch.float8_e4m3fn), empty(b, hk, d, dtype=torch.float32)
+    else:
+        v, v_scales = empty(b, hk, length, d), None
+    return QuantizedInputs(operand(policy.hi, hq), operand(policy.hi, hk), operand(policy.lo, hq),
+                           operand(policy.lo, hk), v, v_scales, dtype)
+
+
 def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: int = 128, is_causal: bool = False,
                  mask: str | None = None, config: triton.Config | None = None, capability: int = 90):
     """Compile the attention kernel for CUDA compute capability `capability`
@@ -524,26 +554,12 @@ def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: 
     from dma_compile.kernels.target_compile import compile_for_target
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    b, hq, hk, length, d = 1, 8, 2, 1024, head_dim
+    b, hq, hk, length, d = COMPILE_SHAPE + (head_dim,)
+    qi = placeholder_inputs(policy, torch_dtype, head_dim)
 
-    # Small CPU tensors rather than meta ones: the descriptors read a data pointer.
     def empty(*shape, dtype=torch_dtype):
         return torch.empty(*shape, dtype=dtype)
 
-    def operand(fmt: str, heads: int) -> Operand:
-        if fmt == "none":
-            return Operand(empty(b, heads, length, d))
-        if policy.mx_mode == "folded":
-            return Operand(empty(b, heads, length, d, dtype=torch.float8_e4m3fn),
-                           empty(b, heads, length, dtype=torch.int32), empty(b, heads, length, dtype=torch.float32))
-        return Operand(empty(b, heads, length, d, dtype=torch.bfloat16))
-
-    if policy.pv == "fp8":
-        v, v_scales = empty(b, hk, d, length, dtype=torch.float8_e4m3fn), empty(b, hk, d, dtype=torch.float32)
-    else:
-        v, v_scales = empty(b, hk, length, d), None
-    qi = QuantizedInputs(operand(policy.hi, hq), operand(policy.hi, hk), operand(policy.lo, hq),
-                         operand(policy.lo, hk), v, v_scales, torch_dtype)
     out = empty(b, hq, length, d)
     if mask is None:
         mask_kind, mask_args = _mask_arguments(None, b, hq, length, length, out)

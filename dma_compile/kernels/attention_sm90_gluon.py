@@ -31,7 +31,15 @@ import torch
 import triton
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.attention_sm90 import KIND_FP8, LOG2E, _kind, descriptor_geometry, quantize_inputs
+from dma_compile.kernels.attention_sm90 import (
+    COMPILE_SHAPE,
+    KIND_FP8,
+    LOG2E,
+    _kind,
+    descriptor_geometry,
+    placeholder_inputs,
+    quantize_inputs,
+)
 from dma_compile.kernels.gluon_compat import (
     TensorDescriptor,
     fence_async_shared,
@@ -545,29 +553,12 @@ def compile_sm90_gluon(policy: AttentionPolicy, *, dtype: str = "bfloat16", head
     check of its machinery), specialised as a launch on (1, 8, 1024, head_dim)
     queries and (1, 2, 1024, head_dim) keys and values would be. Returns
     Triton's compiled kernel (`.asm` holds "ttgir", "ptx", "cubin")."""
-    from dma_compile.kernels.attention_sm90 import QuantizedInputs
-    from dma_compile.kernels.quantize import Operand
     from dma_compile.kernels.target_compile import compile_for_target
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    b, hq, hk, length, d = 1, 8, 2, 1024, head_dim
-
-    def empty(*shape, dtype=torch_dtype):
-        return torch.empty(*shape, dtype=dtype)
-
-    def operand(fmt: str, heads: int) -> Operand:
-        if fmt == "none":
-            return Operand(empty(b, heads, length, d))
-        return Operand(empty(b, heads, length, d, dtype=torch.float8_e4m3fn),
-                       empty(b, heads, length, dtype=torch.int32), empty(b, heads, length, dtype=torch.float32))
-
-    if policy.pv == "fp8":
-        v, v_scales = empty(b, hk, d, length, dtype=torch.float8_e4m3fn), empty(b, hk, d, dtype=torch.float32)
-    else:
-        v, v_scales = empty(b, hk, length, d), None
-    qi = QuantizedInputs(operand(policy.hi, hq), operand(policy.hi, hk), operand(policy.lo, hq),
-                         operand(policy.lo, hk), v, v_scales, torch_dtype)
-    out = empty(b, hq, length, d)
+    b, hq, hk, length, d = COMPILE_SHAPE + (head_dim,)
+    qi = placeholder_inputs(policy, torch_dtype, head_dim)
+    out = torch.empty(b, hq, length, d, dtype=torch_dtype)
     args = _kernel_args(qi, out, (b, hq, hk, length, length, d, d), is_causal, 1.0 / math.sqrt(d), policy, **variant)
     return compile_for_target(_dma_attention_gluon_kernel, args, capability, 4, 1,
                               extra_options={"maxnreg": MAXNREG}, gluon=True)
