@@ -17,6 +17,7 @@ sequence's end write an empty partial (log-sum-exp -inf).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -248,17 +249,38 @@ def _decode_combine_kernel(
     tl.store(dst, out.to(OUT.dtype.element_ty))
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the split kernel: keys per inner step, warps and
+    pipeline stages per program, and how many programs per SM the key split
+    aims for."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+
+
+def default_config(head_dim: int) -> DecodeConfig:
+    """The launch used unless one is given (the interpreter takes small steps)."""
+    if INTERPRET:
+        return DecodeConfig(block_n=16)
+    return DecodeConfig(block_n=64 if head_dim <= 128 else 32)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_chunks(max_middle: int, programs: int, device: torch.device, block_n: int, chunk: int | None) -> tuple[int, int]:
+def split_chunks(
+    max_middle: int, programs: int, device: torch.device, block_n: int, chunk: int | None, programs_per_sm: int = 4
+) -> tuple[int, int]:
     """(chunk length, number of middle chunks): enough programs to fill the GPU
-    about four times over, each chunk a multiple of block_n."""
+    `programs_per_sm` times over, each chunk a multiple of block_n."""
     if chunk is None:
-        want = max(1, 4 * _num_sms(device) // max(programs, 1))
+        want = max(1, programs_per_sm * _num_sms(device) // max(programs, 1))
         chunk = triton.cdiv(max(max_middle, 1), want)
     chunk = max(block_n, triton.cdiv(chunk, block_n) * block_n)
     return chunk, triton.cdiv(max_middle, chunk)
@@ -280,12 +302,14 @@ def decode_attention(
     v_fmt: str,
     scale: float | None = None,
     chunk: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Decode attention of q (B, Hq, T, D) over a cache laid out as in
     dma_compile.kv_cache; returns (B, Hq, T, D) in q's dtype.
 
     max_length bounds lengths (it sizes the grid); chunk forces the middle
-    chunk length (tests), None picks one for the GPU.
+    chunk length (tests), None picks one for the GPU; config overrides
+    `default_config` (benchmarks' sweeps).
     """
     q = q if q.stride(-1) == 1 else q.contiguous()
     b, hq, t, d = q.shape
@@ -300,10 +324,11 @@ def decode_attention(
     if group * t > MAX_ROWS:
         raise Unsupported(f"query heads per KV head x query length = {group * t} > {MAX_ROWS}")
     block_m = max(16, triton.next_power_of_2(group * t))
-    block_n = 16 if INTERPRET else (64 if d <= 128 else 32)
+    config = config or default_config(d)
+    block_n = config.block_n
     has_hi = hi_k is not None
     middle = max_length - (sink if has_hi else 0)
-    chunk, n_middle = split_chunks(middle, b * hkv, q.device, block_n, chunk)
+    chunk, n_middle = split_chunks(middle, b * hkv, q.device, block_n, chunk, config.programs_per_sm)
     n_chunks = n_middle + int(has_hi)
     o_part = torch.empty(b * hkv * n_chunks * block_m, d, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(b * hkv * n_chunks * block_m, device=q.device, dtype=torch.float32)
@@ -322,7 +347,7 @@ def decode_attention(
         sm_scale, t, group, hkv, chunk, sink, recent,
         K_FMT=FMT_CODES[k_fmt], V_FMT=FMT_CODES[v_fmt], HAS_HI=has_hi,
         D=d, BLOCK_M=block_m, BLOCK_N=block_n, HW_CVT=HW_CVT,
-        num_warps=4,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     out = torch.empty_like(q)
     _decode_combine_kernel[(b * hkv, group * t)](
