@@ -3,7 +3,7 @@
 Times `kernels.decode.decode_attention` (the kernel's public hook, the same
 call `torch.ops.dma.decode_attention` makes) with each `DecodeConfig` of a
 grid, per cache format, against stock SDPA on the bf16 cache, in one run with
-CUDA graphs; checks every configuration against the default one first. The
+CUDA graphs; checks every configuration against the reference decode first. The
 fastest row per format is what `kernels.decode.default_config` should pick.
 
     python benchmarks/sweep_decode.py --shape 8 32 8 32768 128 --out sweep.json
@@ -25,6 +25,7 @@ from tqdm import tqdm
 from dma_compile.kernels.decode import DecodeConfig, decode_attention, default_config
 from dma_compile.kv_cache import QuantizedKV
 from dma_compile.policy import AttentionPolicy
+from dma_compile.reference import decode_attention_math
 
 CACHES = {
     "fp8": AttentionPolicy(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3"),
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[4])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1024], help="keys per program")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     b, hq, hkv, n, d = args.shape
@@ -61,29 +62,29 @@ def main() -> None:
     sdpa_us = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     bf16_bytes = 2 * k.numel() * k.element_size()
     rows = []
-    grid = list(itertools.product(CACHES, args.block_n, args.warps, args.stages, args.programs_per_sm))
+    grid = list(itertools.product(CACHES, args.block_n, args.warps, args.stages, args.chunks))
     caches = {}
     for name in CACHES:
         cache = QuantizedKV(b, hkv, d, n, CACHES[name], k.dtype, k.device)
         for start in range(0, n, 8192):
             cache.append(k[:, :, start : start + 8192], v[:, :, start : start + 8192])
-        caches[name] = (cache, kernel_call(cache, q, None)())
-    for name, bn, warps, stages, pps in tqdm(grid, desc="decode configs"):
+        caches[name] = (cache, decode_attention_math(q, *cache.values(), cache.lengths))
+    for name, bn, warps, stages, chunk in tqdm(grid, desc="decode configs"):
         cache, expected = caches[name]
-        config = DecodeConfig(block_n=bn, num_warps=warps, num_stages=stages, programs_per_sm=pps)
+        config = DecodeConfig(block_n=bn, chunk=chunk, num_warps=warps, num_stages=stages)
         try:
             fn = kernel_call(cache, q, config)
-            err = ((fn().float() - expected.float()).norm() / expected.float().norm()).item()
-            if not err < 1e-3:
-                sys.exit(f"{name} {config}: disagrees with the default configuration (rel {err:.3g})")
+            err = ((fn().float() - expected).norm() / expected.norm()).item()
             us = bench(fn)
         except Exception as e:  # a configuration that does not compile (shared memory, registers): report it
-            rows.append({"cache": name, "block_n": bn, "warps": warps, "stages": stages, "pps": pps, "error": str(e)[:80]})
+            rows.append({"cache": name, "block_n": bn, "warps": warps, "stages": stages, "chunk": chunk, "error": str(e)[:80]})
             continue
+        if not err < 1e-2:
+            sys.exit(f"{name} {config}: disagrees with the reference decode (rel {err:.3g})")
         stored = sum(t.numel() * t.element_size() for t in (cache.k_payload, cache.k_scales, cache.v_payload, cache.v_scales) if t is not None)
         rows.append({
-            "cache": name, "block_n": bn, "warps": warps, "stages": stages, "pps": pps, "us": us,
-            "x_sdpa": sdpa_us / us, "TB/s": stored / us / 1e6,
+            "cache": name, "block_n": bn, "warps": warps, "stages": stages, "chunk": chunk, "us": us,
+            "x_sdpa": sdpa_us / us, "TB/s": stored / us / 1e6, "rel_err": err,
         })
     print(f"shape B{b} H{hq}/{hkv} L{n} D{d}: sdpa {sdpa_us:.1f} us ({bf16_bytes / sdpa_us / 1e6:.2f} TB/s); "
           f"default config {default_config(d)}")

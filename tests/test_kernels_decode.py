@@ -70,6 +70,36 @@ def test_chunking_does_not_change_the_result(seed):
     torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("k_fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+def test_output_is_batch_invariant(k_fmt, seed):
+    """A sequence decoded alone and inside a batch of longer and shorter ones
+    gives the same bits: the key split never depends on the batch."""
+    policy = BASE.replace(cache_k=k_fmt, cache_v="mxfp8_e4m3")
+    lengths = [150, 40, 300]
+    k, v = (torch.randn(3, 2, 300, 32, device=DEVICE).bfloat16() for _ in range(2))
+    cache = QuantizedKV(3, 2, 32, 308, policy, torch.bfloat16, DEVICE)
+    cache.append(k, v, num_tokens=torch.tensor(lengths, device=DEVICE))
+    alone = QuantizedKV(1, 2, 32, 160, policy, torch.bfloat16, DEVICE)
+    alone.append(k[:1, :, :150], v[:1, :, :150])
+    q = torch.randn(3, 4, 1, 32, device=DEVICE).bfloat16()
+    together = _check(cache, q)
+    torch.testing.assert_close(_check(alone, q[:1]), together[:1], atol=0, rtol=0)
+
+
+def test_a_launch_config_must_fit_its_steps():
+    from dma_compile.kernels.decode import DecodeConfig, decode_attention
+
+    cache = _cache(BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3"), 1, 1, 32, [40], torch.bfloat16)
+    q = torch.randn(1, 1, 1, 32, device=DEVICE).bfloat16()
+    c = cache
+    for bad, match in [(DecodeConfig(block_n=24, chunk=48), "block_n"), (DecodeConfig(block_n=16, chunk=40), "chunk")]:
+        with pytest.raises(ValueError, match=match):
+            decode_attention(
+                q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths, c.max_length,
+                c.sink, c.recent, c.policy.cache_k, c.policy.cache_v, config=bad,
+            )
+
+
 def test_op_door_routes_to_the_kernel(seed):
     policy = BASE.replace(cache_k="mxfp4_e2m1", cache_v="mxfp8_e4m3")
     cache = _cache(policy, 2, 1, 32, [70, 52], torch.bfloat16)

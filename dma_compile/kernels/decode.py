@@ -17,7 +17,7 @@ sequence's end write an empty partial (log-sum-exp -inf).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -55,8 +55,11 @@ def _e4m3_values(bits, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_times(codes, factor):
-    """E2M1 codes (low 4 bits) times `factor`, in float32.
+def _e2m1_times(codes, rel, HW_CVT: tl.constexpr):
+    """E2M1 codes (low 4 bits) times `rel`, a float32 power of two <= 1: in
+    fp16 on the GPU (a value more than 2^-24 below 1 flushes, the contribution
+    of a block that many binades below its token's largest), float32 under
+    the interpreter.
 
     The code's bits placed at the top of an fp16 (sign at 15, exponent and
     mantissa at 9..11) are the e2m1 value times 2^-14 exactly, subnormals
@@ -64,7 +67,11 @@ def _e2m1_times(codes, factor):
     """
     c = codes.to(tl.int16)
     half = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
-    return half.to(tl.float32) * 16384.0 * factor
+    if HW_CVT:
+        r = half * (rel * 16384.0).to(tl.float16)
+    else:
+        r = half.to(tl.float32) * 16384.0 * rel
+    return r
 
 
 @triton.jit
@@ -80,26 +87,36 @@ def _operand(x, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _scores(
-    q, q_even, q_odd, kp, ks, pos, ok, stride_kt, stride_ks,
+    q, q_even, q_odd, q16, q16_scale, kp, ks, pos, ok, stride_kt, stride_ks,
     FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """q @ k^T (float32) for the keys at `pos` of a K store of format FMT
-    (kp/ks: this sequence and head's payload and scale base pointers)."""
+    (kp/ks: this sequence and head's payload and scale base pointers).
+
+    Quantized keys multiply q16 = q / q16_scale in fp16 (q_even, q_odd: its
+    even and odd elements): e4m3 converts to fp16 in one instruction per
+    pair, to bf16 in two more, and the products are exact in both. An MXFP4
+    token's block scales split into the token's largest, applied to the
+    scores, and each block's 2^(scale - largest) <= 1 folded into its
+    elements, which then fit fp16."""
     if FMT == 3:
         dh = tl.arange(0, D // 2)
         packed = tl.load(kp + pos[:, None] * stride_kt + dh[None, :], mask=ok[:, None], other=0)
         db = tl.arange(0, D // 32)
         sb = tl.load(ks + pos[:, None] * stride_ks + db[None, :], mask=ok[:, None], other=127)
-        factor = tl.reshape(tl.broadcast_to(_scale_of(sb)[:, :, None], (BLOCK_N, D // 32, 16)), (BLOCK_N, D // 2))
-        k_even = _operand(_e2m1_times(packed & 15, factor), q.dtype, HW_CVT)
-        k_odd = _operand(_e2m1_times(packed >> 4, factor), q.dtype, HW_CVT)
+        top = tl.max(sb, 1)
+        rel = _pow2_wide(sb.to(tl.int32) - top.to(tl.int32)[:, None])
+        rel = tl.reshape(tl.broadcast_to(rel[:, :, None], (BLOCK_N, D // 32, 16)), (BLOCK_N, D // 2))
+        k_even = _operand(_e2m1_times(packed & 15, rel, HW_CVT), tl.float16, HW_CVT)
+        k_odd = _operand(_e2m1_times(packed >> 4, rel, HW_CVT), tl.float16, HW_CVT)
         s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+        s = s * q16_scale[:, None] * _scale_of(top)[None, :]
     else:
         d = tl.arange(0, D)
         raw = tl.load(kp + pos[:, None] * stride_kt + d[None, :], mask=ok[:, None], other=0)
         if FMT == 1:
-            s = tl.dot(q, tl.trans(_e4m3_values(raw, q.dtype, HW_CVT)))
-            s = s * _scale_of(tl.load(ks + pos * stride_ks, mask=ok, other=127))[None, :]
+            s = tl.dot(q16, tl.trans(_e4m3_values(raw, tl.float16, HW_CVT)))
+            s = s * q16_scale[:, None] * _scale_of(tl.load(ks + pos * stride_ks, mask=ok, other=127))[None, :]
         else:
             s = tl.dot(q, tl.trans(_operand(raw, q.dtype, HW_CVT)))
     return s
@@ -110,18 +127,19 @@ def _pv(
     p, acc, vp, vs, pos, ok, stride_vt, stride_vs,
     FMT: tl.constexpr, DTYPE: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """acc + p @ v for the values at `pos` of a V store of format FMT."""
+    """acc + p @ v for the values at `pos` of a V store of format FMT.
+
+    e4m3 values run in fp16 (see _scores). Their per-token scales 2^s split
+    into the block's largest, applied to the product, and 2^(s - largest) <= 1
+    folded into p: p then fits fp16 whatever the scales (a padded position's
+    byte 0 scales by 2^-127, never the largest)."""
     d = tl.arange(0, D)
     raw = tl.load(vp + pos[:, None] * stride_vt + d[None, :], mask=ok[:, None], other=0)
     if FMT == 1:
-        scale = _scale_of(tl.load(vs + pos * stride_vs, mask=ok, other=127))
-        v = _e4m3_values(raw, DTYPE, HW_CVT)
-        if DTYPE == tl.float16:
-            # fp16 cannot hold p * 2^A for small A: scale the values instead.
-            v = _operand(v.to(tl.float32) * scale[:, None], DTYPE, HW_CVT)
-        else:
-            p = p * scale[None, :]
-        r = tl.dot(_operand(p, DTYPE, HW_CVT), v, acc)
+        scale = _scale_of(tl.load(vs + pos * stride_vs, mask=ok, other=0))
+        top = tl.max(scale, 0)
+        p = p * (scale / top)[None, :]
+        r = acc + tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT)) * top
     else:
         r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc)
     return r
@@ -129,7 +147,7 @@ def _pv(
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, q_even, q_odd, start, end, qpos, slot_base, ring,
+    acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, end, qpos, slot_base, ring,
     kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
@@ -143,7 +161,9 @@ def _attend_range(
             slot = slot_base + pos % ring
         else:
             slot = pos
-        s = _scores(q, q_even, q_odd, kp, ks, slot, ok, stride_kt, stride_ks, K_FMT, D, BLOCK_N, HW_CVT) * sm_scale
+        s = _scores(
+            q, q_even, q_odd, q16, q16_scale, kp, ks, slot, ok, stride_kt, stride_ks, K_FMT, D, BLOCK_N, HW_CVT
+        ) * sm_scale
         s = tl.where(ok[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen no key yet keep m = -inf: shift by 0 instead.
@@ -181,11 +201,20 @@ def _decode_split_kernel(
     qpos = length - T + t
     q_row = Q + b * sqb + (h * G + rows // T) * sqh + t * sqt
     d = tl.arange(0, D)
-    q = _operand(tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0), Q.dtype.element_ty, HW_CVT)
+    q_raw = tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _operand(q_raw, Q.dtype.element_ty, HW_CVT)
+    # q16 = q / q16_scale exactly, with the row's largest |element| in
+    # [2^14, 2^15): in fp16's range, elements 2^-24 below it still exact.
+    q_amax = tl.max(tl.abs(_to_f32(q_raw, HW_CVT)), 1)
+    q_exp = tl.where(q_amax > 0, tl.maximum((q_amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14, -112), 0)
+    q16_scale = _pow2_wide(q_exp)
+    q16 = _operand(_to_f32(q_raw, HW_CVT) * _pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
     if K_FMT == 3:
         dh = tl.arange(0, D // 2)
-        q_even = _operand(tl.load(q_row[:, None] + 2 * dh[None, :], mask=row_ok[:, None], other=0.0), Q.dtype.element_ty, HW_CVT)
-        q_odd = _operand(tl.load(q_row[:, None] + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0), Q.dtype.element_ty, HW_CVT)
+        q_even = tl.load(q_row[:, None] + 2 * dh[None, :], mask=row_ok[:, None], other=0.0)
+        q_even = _operand(_to_f32(q_even, HW_CVT) * _pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
+        q_odd = tl.load(q_row[:, None] + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0)
+        q_odd = _operand(_to_f32(q_odd, HW_CVT) * _pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
     else:
         q_even = q
         q_odd = q
@@ -204,20 +233,20 @@ def _decode_split_kernel(
             hk = HK + b * shb + h * shh
             hv = HV + b * shb + h * shh
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q, q, 0, lo_start, qpos, 0, 1, hk, hk, hv, hv, sht, 0, sht, 0, sm_scale,
+                acc, m_i, l_i, q, q, q, q16, q16_scale, 0, lo_start, qpos, 0, 1, hk, hk, hv, hv, sht, 0, sht, 0, sm_scale,
                 0, 0, False, D, BLOCK_N, HW_CVT)
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q, q, lo_end, length, qpos, SINK, RECENT, hk, hk, hv, hv, sht, 0, sht, 0,
+                acc, m_i, l_i, q, q, q, q16, q16_scale, lo_end, length, qpos, SINK, RECENT, hk, hk, hv, hv, sht, 0, sht, 0,
                 sm_scale, 0, 0, True, D, BLOCK_N, HW_CVT)
         else:
             start = lo_start + (chunk - 1) * CHUNK
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q_even, q_odd, start, tl.minimum(lo_end, start + CHUNK), qpos, 0, 0,
+                acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(lo_end, start + CHUNK), qpos, 0, 0,
                 kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, BLOCK_N, HW_CVT)
     else:
         start = chunk * CHUNK
         acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, q_even, q_odd, start, tl.minimum(length, start + CHUNK), qpos, 0, 0,
+            acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(length, start + CHUNK), qpos, 0, 0,
             kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, BLOCK_N, HW_CVT)
 
     part = (pid * n_chunks + chunk) * BLOCK_M + rows
@@ -251,39 +280,39 @@ def _decode_combine_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the split kernel: keys per inner step, warps and
-    pipeline stages per program, and how many programs per SM the key split
-    aims for."""
+    """Launch parameters of the split kernel: keys per inner step, keys per
+    program (the split: a multiple of block_n), warps and pipeline stages."""
 
     block_n: int
+    chunk: int
     num_warps: int = 4
-    num_stages: int = 3
-    programs_per_sm: int = 4
+    num_stages: int = 2
 
 
 def default_config(head_dim: int) -> DecodeConfig:
-    """The launch used unless one is given (the interpreter takes small steps)."""
+    """The launch used unless one is given: the fastest of
+    benchmarks/sweep_decode.py's grid on the H200 for head_dim 64 and 128
+    (BENCHMARKS.md); head_dim 256 was not swept. The interpreter takes small
+    steps.
+
+    The split is a fixed number of keys, never derived from the batch or its
+    longest sequence: chunk boundaries then sit at the same positions whatever
+    else is in the batch, so each sequence's output is batch-invariant.
+    """
     if INTERPRET:
-        return DecodeConfig(block_n=16)
-    return DecodeConfig(block_n=64 if head_dim <= 128 else 32)
+        return DecodeConfig(block_n=16, chunk=64)
+    if head_dim <= 64:
+        return DecodeConfig(block_n=128, chunk=2048, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return DecodeConfig(block_n=128, chunk=2048, num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=64, chunk=2048, num_warps=4, num_stages=2)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def split_chunks(
-    max_middle: int, programs: int, device: torch.device, block_n: int, chunk: int | None, programs_per_sm: int = 4
-) -> tuple[int, int]:
-    """(chunk length, number of middle chunks): enough programs to fill the GPU
-    `programs_per_sm` times over, each chunk a multiple of block_n."""
-    if chunk is None:
-        want = max(1, programs_per_sm * _num_sms(device) // max(programs, 1))
-        chunk = triton.cdiv(max(max_middle, 1), want)
-    chunk = max(block_n, triton.cdiv(chunk, block_n) * block_n)
-    return chunk, triton.cdiv(max_middle, chunk)
+def _check_config(config: DecodeConfig) -> None:
+    if config.block_n < 16 or config.block_n & (config.block_n - 1):
+        raise ValueError(f"config: block_n must be a power of two >= 16, got {config.block_n}")
+    if config.chunk < config.block_n or config.chunk % config.block_n:
+        raise ValueError(f"config: chunk must be a positive multiple of block_n ({config.block_n}), got {config.chunk}")
 
 
 def decode_attention(
@@ -307,9 +336,9 @@ def decode_attention(
     """Decode attention of q (B, Hq, T, D) over a cache laid out as in
     dma_compile.kv_cache; returns (B, Hq, T, D) in q's dtype.
 
-    max_length bounds lengths (it sizes the grid); chunk forces the middle
-    chunk length (tests), None picks one for the GPU; config overrides
-    `default_config` (benchmarks' sweeps).
+    max_length bounds lengths (it sizes the grid); chunk overrides the
+    config's keys per program (tests); config overrides `default_config`
+    (benchmarks' sweeps).
     """
     q = q if q.stride(-1) == 1 else q.contiguous()
     b, hq, t, d = q.shape
@@ -325,10 +354,13 @@ def decode_attention(
         raise Unsupported(f"query heads per KV head x query length = {group * t} > {MAX_ROWS}")
     block_m = max(16, triton.next_power_of_2(group * t))
     config = config or default_config(d)
-    block_n = config.block_n
+    if chunk is not None:
+        config = replace(config, chunk=chunk)
+    _check_config(config)
+    block_n, chunk = config.block_n, config.chunk
     has_hi = hi_k is not None
     middle = max_length - (sink if has_hi else 0)
-    chunk, n_middle = split_chunks(middle, b * hkv, q.device, block_n, chunk, config.programs_per_sm)
+    n_middle = triton.cdiv(max(middle, 0), chunk)
     n_chunks = n_middle + int(has_hi)
     o_part = torch.empty(b * hkv * n_chunks * block_m, d, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(b * hkv * n_chunks * block_m, device=q.device, dtype=torch.float32)
