@@ -50,8 +50,9 @@ NAME = "dma"
 MAX_HEAD_DIM = 256
 # Keyword arguments some models pass that the DMA op has no equivalent for.
 _UNSUPPORTED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks")
-# Key under which a DMACache layer hands itself to the attention function,
-# through the keyword arguments transformers passes to both.
+# Key under which a DMACache layer hands itself to the attention function:
+# in the keyword arguments transformers passes to both (5.2x), or as an
+# attribute of the key tensor update() returns (5.1x passes update() none).
 _CACHE_KWARG = "dma_cache_layer"
 # Tokens a DMACache layer allocates at first, doubling when full.
 _INITIAL_CAPACITY = 1024
@@ -99,7 +100,7 @@ def _attention_forward(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    cache_layer = kwargs.pop(_CACHE_KWARG, None)
+    cache_layer = kwargs.pop(_CACHE_KWARG, None) or getattr(key, _CACHE_KWARG, None)
     if cache_layer is not None and cache_layer.past_length > 0:
         return cache_layer.decode(module, query, attention_mask, scaling, impl, kwargs), None
     layer = getattr(module, "layer_idx", None)
@@ -188,6 +189,9 @@ class DMACacheLayer(CacheLayerMixin):
         model_kwargs = kwargs.get("kwargs")
         if isinstance(model_kwargs, dict):
             model_kwargs[_CACHE_KWARG] = self
+        else:
+            key_states = key_states.view(key_states.shape)
+            setattr(key_states, _CACHE_KWARG, self)
         return key_states, value_states
 
     def decode(self, module, query, attention_mask, scaling, impl, kwargs) -> torch.Tensor:

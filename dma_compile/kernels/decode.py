@@ -355,7 +355,7 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(group * t))
     config = config or default_config(d)
     if chunk is not None:
-        config = replace(config, chunk=chunk)
+        config = replace(config, chunk=chunk, block_n=min(config.block_n, chunk))
     _check_config(config)
     block_n, chunk = config.block_n, config.chunk
     has_hi = hi_k is not None
