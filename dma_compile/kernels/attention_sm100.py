@@ -33,13 +33,15 @@ import triton.language as tl
 
 from dma_compile.kernels import Unsupported
 from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
-from dma_compile.kernels.quantize import (
+from dma_compile.kernels.numerics import (
     HW_CVT,
     INTERPRET,
-    _pow2_wide,
-    _to_dtype,
-    _to_e4m3,
-    _to_f32,
+    pow2_wide,
+    to_dtype,
+    to_e4m3,
+    to_f32,
+)
+from dma_compile.kernels.quantize import (
     key_keep_arguments,
     kv_statistics,
     quantize_tokens,
@@ -77,7 +79,7 @@ def _dot_input(a, b, HW_CVT: tl.constexpr):
     """a @ b in fp32 for operands in the input dtype; fp32 operands stay fp32
     (no tf32). The interpreter cannot multiply bf16: it gets exact fp32 copies."""
     if not HW_CVT:
-        r = tl.dot(_to_f32(a, HW_CVT), _to_f32(b, HW_CVT), input_precision="ieee")
+        r = tl.dot(to_f32(a, HW_CVT), to_f32(b, HW_CVT), input_precision="ieee")
     elif a.dtype == tl.float32:
         r = tl.dot(a, b, input_precision="ieee")
     else:
@@ -105,7 +107,7 @@ def _load_q(Q, QS, s_l, offs_m, row_ok, D: tl.constexpr, KIND: tl.constexpr, FMT
         qs = tl.load(QS + offs_m[:, None].to(tl.int64) * (D // 32) + nb[None, :], mask=ok, other=127)
     elif KIND == 2:
         q = q.to(tl.float8e4nv, bitcast=True)
-        qs = _pow2_wide(tl.load(QS + offs_m, mask=row_ok, other=0))
+        qs = pow2_wide(tl.load(QS + offs_m, mask=row_ok, other=0))
     else:
         qs = 0.0
     return q, qs
@@ -146,7 +148,7 @@ def _qk(q, qs, K, KS, s_l, offs_n, key_ok, zero,
             ka = tl.load(KS + offs_n, mask=key_ok, other=0)
         else:
             ka = tl.load(KS + offs_n)
-        s = tl.dot(q, kt.to(tl.float8e4nv, bitcast=True)) * qs[:, None] * _pow2_wide(ka)[None, :]
+        s = tl.dot(q, kt.to(tl.float8e4nv, bitcast=True)) * qs[:, None] * pow2_wide(ka)[None, :]
     else:
         s = _dot_input(q, kt, HW_CVT)
     return s
@@ -186,7 +188,7 @@ def _attend(
                 if MASK_KIND == 1:
                     keep = keep & (tl.load(m_ptrs, mask=m_ok, other=0) != 0)
                 else:
-                    bias = _to_f32(tl.load(m_ptrs, mask=m_ok, other=0.0), HW_CVT)
+                    bias = to_f32(tl.load(m_ptrs, mask=m_ok, other=0.0), HW_CVT)
                     keep = keep & (bias != float("-inf"))
                     s = s + bias * 1.4426950408889634
             s = tl.where(keep, s, float("-inf"))
@@ -208,12 +210,12 @@ def _attend(
         else:
             v = tl.load(v_ptrs)
         if PV_FP8 and HW_CVT:
-            acc = tl.dot(_to_e4m3(p * 256.0, HW_CVT), v, acc)
+            acc = tl.dot(to_e4m3(p * 256.0, HW_CVT), v, acc)
         elif PV_FP8:
-            # The interpreter reads e4m3's NaN code as 480: widen through _to_f32.
-            acc = tl.dot(_to_f32(_to_e4m3(p * 256.0, HW_CVT), HW_CVT), _to_f32(v, HW_CVT), acc)
+            # The interpreter reads e4m3's NaN code as 480: widen through to_f32.
+            acc = tl.dot(to_f32(to_e4m3(p * 256.0, HW_CVT), HW_CVT), to_f32(v, HW_CVT), acc)
         else:
-            acc += _dot_input(_to_dtype(p, V.dtype.element_ty, HW_CVT), v, HW_CVT)
+            acc += _dot_input(to_dtype(p, V.dtype.element_ty, HW_CVT), v, HW_CVT)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -310,7 +312,7 @@ def _dma_attention_sm100_kernel(
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     o_ptrs = O + b64 * so_b + h64 * so_h + offs_m[:, None].to(tl.int64) * so_l + dv[None, :]
-    tl.store(o_ptrs, _to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
+    tl.store(o_ptrs, to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
 
 
 @dataclass

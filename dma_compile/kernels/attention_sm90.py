@@ -37,13 +37,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported
 from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key_arguments
-from dma_compile.kernels.quantize import (
+from dma_compile.kernels.numerics import (
     HW_CVT,
     INTERPRET,
+    to_dtype,
+    to_e4m3,
+    to_f32,
+)
+from dma_compile.kernels.quantize import (
     Operand,
-    _to_dtype,
-    _to_f32,
-    _to_e4m3,
     key_keep_arguments,
     kv_statistics,
     plan_tokens,
@@ -80,18 +82,18 @@ def _dot_nt(a, b, HW_CVT: tl.constexpr):
     if HW_CVT:
         r = tl.dot(a, tl.trans(b))
     else:
-        r = tl.dot(_to_f32(a, HW_CVT), tl.trans(_to_f32(b, HW_CVT)))
+        r = tl.dot(to_f32(a, HW_CVT), tl.trans(to_f32(b, HW_CVT)))
     return r
 
 
 @triton.jit
 def _dot_acc(a, b, acc, HW_CVT: tl.constexpr):
-    """a @ b + acc in fp32; the interpreter gets fp32 copies (_to_f32: it
+    """a @ b + acc in fp32; the interpreter gets fp32 copies (to_f32: it
     multiplies bf16 wrongly and reads e4m3's NaN code as 480)."""
     if HW_CVT:
         r = tl.dot(a, b, acc)
     else:
-        r = tl.dot(_to_f32(a, HW_CVT), _to_f32(b, HW_CVT), acc)
+        r = tl.dot(to_f32(a, HW_CVT), to_f32(b, HW_CVT), acc)
     return r
 
 
@@ -154,7 +156,7 @@ def _attend(
                 if MASK_KIND == 1:
                     valid = valid & (tl.load(mptr, mask=mok, other=0) != 0)
                 else:
-                    bias = _to_f32(tl.load(mptr, mask=mok, other=0.0), HW_CVT)
+                    bias = to_f32(tl.load(mptr, mask=mok, other=0.0), HW_CVT)
                     valid = valid & (bias != float("-inf"))
                     s = s + bias * 1.4426950408889634
             s = tl.where(valid, s, float("-inf"))
@@ -171,12 +173,12 @@ def _attend(
         acc = acc * alpha[:, None]
         if PV_FP8:
             vt = V.load([b, hk, 0, start]).reshape(HEAD_DIM_V, BLOCK_N)
-            acc = _dot_acc(_to_e4m3(p, HW_CVT), tl.trans(vt), acc, HW_CVT)
+            acc = _dot_acc(to_e4m3(p, HW_CVT), tl.trans(vt), acc, HW_CVT)
         else:
             v = V.load([b, hk, start, 0]).reshape(BLOCK_N, HEAD_DIM_V)
             if SELECT_V and MASKED:
                 v = tl.where(counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, SELECT_V == 2)[:, None], v, 0.0)
-            acc = _dot_acc(_to_dtype(p, V.dtype, HW_CVT), v, acc, HW_CVT)
+            acc = _dot_acc(to_dtype(p, V.dtype, HW_CVT), v, acc, HW_CVT)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -261,7 +263,7 @@ def _dma_attention_kernel(
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     o_ptr = O + b64 * so_b + h.to(tl.int64) * so_h + offs_m[:, None] * so_m + offs_dv[None, :] * so_d
-    tl.store(o_ptr, _to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
+    tl.store(o_ptr, to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
 
 
 def _set_block_shapes(args: dict) -> None:
