@@ -134,8 +134,8 @@ def quant_bytes(q, k, v, qi):
 
 
 def breakdown(shape, names, device):
-    from dma_compile.calibrate import cuda_time_ms
     from dma_compile.kernels.attention_sm90 import attention_from_quantized, quantize_inputs
+    from dma_compile.timing import cuda_time_ms
 
     b, h, s, d, causal = shape
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
