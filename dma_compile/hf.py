@@ -41,13 +41,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dma_compile.kv_cache import QuantizedKV
-from dma_compile.ops import check_impl, check_inputs
+from dma_compile.ops import MAX_HEAD_DIM, check_impl, check_inputs
 from dma_compile.policy import AttentionPolicy, ModelPolicy, as_model_policy, default_policy
 
 logger = logging.getLogger(__name__)
 
 NAME = "dma"
-MAX_HEAD_DIM = 256
 # Keyword arguments some models pass that the DMA op has no equivalent for.
 _UNSUPPORTED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks")
 # Key under which a DMACache layer hands itself to the attention function,

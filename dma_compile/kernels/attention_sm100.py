@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
+from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -67,7 +68,6 @@ KIND_NONE, KIND_MX, KIND_FOLDED = 0, 1, 2
 # tl.dot_scaled's names of the element formats.
 DOT_SCALED_FORMAT = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4_e2m1": "e2m1"}
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
-HEAD_DIMS = (16, 32, 64, 128, 256)
 TRITON_VERSION = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:2])
 # Triton 3.6 fails to compile a zero-initialised tl.dot_scaled in a loop for
 # sm_100 (3.9 does not): older versions get a zero it cannot see (see _qk).
@@ -378,9 +378,7 @@ def _num_warps(block_m: int) -> int:
 
 
 def _check_supported(q, v, policy: AttentionPolicy) -> None:
-    d, dv = q.shape[-1], v.shape[-1]
-    if d not in HEAD_DIMS or dv not in HEAD_DIMS:
-        raise Unsupported(f"q, k, v: the sm100 kernel supports head_dim in {list(HEAD_DIMS)}, got {d} and {dv}")
+    LIMITS["sm100"].check(q, v, None)
     if INTERPRET:
         if q.device.type != "cpu":
             raise Unsupported(f"under TRITON_INTERPRET=1 the sm100 kernel takes CPU tensors, got {q.device.type}")

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported
+from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key_arguments
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -65,7 +66,6 @@ from dma_compile.kernels.schedule import (
 )
 from dma_compile.policy import AttentionPolicy
 
-HEAD_DIMS = (32, 64, 128, 256)
 LOG2E = 1.4426950408889634
 # Autotuning compiles and times every config once per shape bucket;
 # DMA_AUTOTUNE=0 takes each head_dim's first config instead.
@@ -325,13 +325,7 @@ def _check(q, v, scale, policy: AttentionPolicy) -> None:
         raise Unsupported(
             f"the sm90 kernel needs CUDA tensors, got {q.device.type} (TRITON_INTERPRET=1 runs it on CPU for testing)"
         )
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise Unsupported(f"the sm90 kernel takes bfloat16 or float16 inputs, got {q.dtype}")
-    for name, dim in (("q, k", q.shape[-1]), ("v", v.shape[-1])):
-        if dim not in HEAD_DIMS:
-            raise Unsupported(f"{name}: the sm90 kernel supports head_dim in {list(HEAD_DIMS)}, got {dim}")
-    if scale <= 0:
-        raise Unsupported(f"scale: the sm90 kernel needs a positive softmax scale, got {scale}")
+    LIMITS["sm90"].check(q, v, scale)
     uses_fp8 = policy.pv == "fp8" or any(_kind(f, policy) == KIND_FP8 for f in policy.formats)
     if q.device.type == "cuda" and uses_fp8 and torch.cuda.get_device_capability(q.device) < (8, 9):
         raise Unsupported("fp8 tensor cores (folded MX or pv='fp8') need compute capability 8.9 or newer")
