@@ -161,7 +161,7 @@ def breakdown(shape, names, device):
 
 
 def run_shapes(shapes, names, sdpa_names, device):
-    from dma_compile.kernels.attention_sm90 import _dma_attention_tuned
+    from dma_compile.kernels.attention_sm90 import tuned_config
 
     results = []
     todo = [(shape, m) for shape in shapes for m in sdpa_names + names]
@@ -181,7 +181,7 @@ def run_shapes(shapes, names, sdpa_names, device):
         try:
             fn()
             if method in DMA_POLICIES:
-                config = str(_dma_attention_tuned.best_config)
+                config = str(tuned_config())
             ms = bench(fn)
         except RuntimeError as e:  # an SDPA backend that does not take this shape
             print(f"{method} {shape}: {str(e).splitlines()[0]}", file=sys.stderr)
