@@ -12,7 +12,7 @@ scale per block of 32 along the head dimension, bit-identical to
 
 Optionally it also writes the (smoothed) values rounded to the input dtype
 (format "none"). Rounding, scale rule and e4m3 encoding are the helpers of
-`dma_compile.kernels.quantize` (shared with the Hopper kernel, whose pass
+`dma_compile.kernels.numerics` (shared with the Hopper kernel, whose pass
 writes dequantized bf16 instead, which Blackwell's block-scaled MMA does not
 need); the e5m2 and packed-e2m1 encoders live here. All are integer/float
 arithmetic, bit-exact on every device and in the interpreter.
