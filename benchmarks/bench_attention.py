@@ -134,8 +134,8 @@ def quant_bytes(q, k, v, qi):
 
 
 def breakdown(shape, names, device):
-    from dma_compile.calibrate import cuda_time_ms
     from dma_compile.kernels.attention_sm90 import attention_from_quantized, quantize_inputs
+    from dma_compile.timing import cuda_time_ms
 
     b, h, s, d, causal = shape
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
@@ -161,7 +161,7 @@ def breakdown(shape, names, device):
 
 
 def run_shapes(shapes, names, sdpa_names, device):
-    from dma_compile.kernels.attention_sm90 import _dma_attention_tuned
+    from dma_compile.kernels.attention_sm90 import tuned_config
 
     results = []
     todo = [(shape, m) for shape in shapes for m in sdpa_names + names]
@@ -181,7 +181,7 @@ def run_shapes(shapes, names, sdpa_names, device):
         try:
             fn()
             if method in DMA_POLICIES:
-                config = str(_dma_attention_tuned.best_config)
+                config = str(tuned_config())
             ms = bench(fn)
         except RuntimeError as e:  # an SDPA backend that does not take this shape
             print(f"{method} {shape}: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -34,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import dma_compile.hf
 from dma_compile.assets import find_assets
-from dma_compile.calibrate import load_model, split_heldout, take_windows, tokenize
+from dma_compile.loading import load_model, split_heldout, take_windows, tokenize
 from dma_compile.policy import AttentionPolicy
 from dma_compile.reference import teacher_forced_decode_reference
 

@@ -55,14 +55,6 @@ def register() -> str:
     return CAPTURE_IMPLEMENTATION
 
 
-def num_attention_layers(model_or_config) -> int:
-    config = getattr(model_or_config, "config", model_or_config)
-    count = getattr(getattr(config, "get_text_config", lambda: config)(), "num_hidden_layers", None)
-    if not isinstance(count, int):
-        raise ValueError("model: its config has no num_hidden_layers, so its attention layers cannot be counted")
-    return count
-
-
 @contextlib.contextmanager
 def capture_attention(model, callback: Callback) -> Iterator[None]:
     """Within the block, every attention call of `model` first calls

@@ -117,13 +117,12 @@ def _compare_sizes(p: argparse.ArgumentParser, window_len_help: str = "tokens pe
 
 
 def _check_model_dir(path: str) -> str:
-    if not os.path.exists(path):
-        raise BadInput(f"--model {path!r} does not exist")
-    if not os.path.isdir(path):
-        raise BadInput(f"--model {path!r} is not a directory")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise BadInput(f"--model {path!r} has no config.json (not a transformers model directory)")
-    return path
+    from dma_compile.loading import check_model_dir
+
+    try:
+        return check_model_dir(path, "--model")
+    except ValueError as e:
+        raise BadInput(str(e)) from None
 
 
 def _check_output_file(flag: str, path: str | None) -> None:
@@ -150,7 +149,7 @@ def _make_output_dir(flag: str, path: str) -> Path:
 
 
 def _read_text(path: str) -> str:
-    from dma_compile.calibrate import read_text
+    from dma_compile.loading import read_text
 
     try:
         return read_text(path)
@@ -159,7 +158,7 @@ def _read_text(path: str) -> str:
 
 
 def _load_model(path: str):
-    from dma_compile.calibrate import load_model
+    from dma_compile.loading import load_model
 
     return load_model(_check_model_dir(path))
 
@@ -168,7 +167,7 @@ def _load_policy(path: str, model_dir: str):
     """The policy JSON, checked against the model's config before any weights load."""
     from transformers import AutoConfig
 
-    from dma_compile.capture import num_attention_layers
+    from dma_compile.hf import checked_layers
     from dma_compile.policy import ModelPolicy
 
     try:
@@ -180,7 +179,7 @@ def _load_policy(path: str, model_dir: str):
     except Exception as e:  # transformers raises many kinds for a bad config
         raise BadInput(f"--model {model_dir!r}: config.json cannot be read: {str(e).splitlines()[0]}") from None
     try:
-        policy.check_layers(num_attention_layers(config))
+        checked_layers(policy, config)
     except ValueError as e:
         raise BadInput(f"--policy: {e}") from None
     return policy
@@ -304,8 +303,9 @@ def compile_check(model, policy, window) -> str:
 def cmd_quickstart(args) -> int:
     out = _make_output_dir("--out", args.out)
     from dma_compile.assets import prepare_assets
-    from dma_compile.calibrate import resolve_target, split_heldout, take_windows, tokenize
+    from dma_compile.calibrate import resolve_target
     from dma_compile.compare import Settings
+    from dma_compile.loading import split_heldout, take_windows, tokenize
 
     start = time.perf_counter()
     print("== 1/4 assets")

@@ -41,13 +41,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dma_compile.kv_cache import QuantizedKV
-from dma_compile.ops import check_impl, check_inputs
+from dma_compile.ops import MAX_HEAD_DIM, check_impl, check_inputs
 from dma_compile.policy import AttentionPolicy, ModelPolicy, as_model_policy, default_policy
 
 logger = logging.getLogger(__name__)
 
 NAME = "dma"
-MAX_HEAD_DIM = 256
 # Keyword arguments some models pass that the DMA op has no equivalent for.
 _UNSUPPORTED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks")
 # Key under which a DMACache layer hands itself to the attention function:
@@ -56,6 +55,24 @@ _UNSUPPORTED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks")
 _CACHE_KWARG = "dma_cache_layer"
 # Tokens a DMACache layer allocates at first, doubling when full.
 _INITIAL_CAPACITY = 1024
+
+
+def num_attention_layers(model_or_config) -> int:
+    """The number of attention layers of a transformers model or config (its text config's)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    count = getattr(getattr(config, "get_text_config", lambda: config)(), "num_hidden_layers", None)
+    if not isinstance(count, int):
+        raise ValueError("model: its config has no num_hidden_layers, so its attention layers cannot be counted")
+    return count
+
+
+def checked_layers(policy: ModelPolicy | None, model_or_config) -> int:
+    """The model's number of attention layers, after checking that `policy`
+    (None: nothing to check) was made for that many."""
+    layers = num_attention_layers(model_or_config)
+    if policy is not None:
+        policy.check_layers(layers)
+    return layers
 
 
 def cache_kwargs(model: torch.nn.Module, cache) -> dict:
@@ -241,6 +258,5 @@ class DMACache(Cache):
             device = next(model.parameters()).device
             fp8 = default_policy(device).replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
             model_policy = ModelPolicy(default=fp8)
-        layers = config.num_hidden_layers
-        model_policy.check_layers(layers)
+        layers = checked_layers(model_policy, config)
         super().__init__(layers=[DMACacheLayer(model_policy.for_layer(i)) for i in range(layers)])

@@ -5,7 +5,9 @@ backend, the transformers integration, calibration) calls the op. The op
 validates its arguments (`dma_compile.validate`), then `route` decides what
 runs: with impl="auto", the kernels of `KERNELS` that serve the GPU's compute
 capability, in table order, and stock SDPA when none serves the call (reason
-logged once); the PyTorch reference on CPU or when asked for. The policy
+logged once); the PyTorch reference on CPU or when asked for. A kernel whose
+limits (`dma_compile.kernels.limits.LIMITS`: dtypes, head_dims, scale) refuse
+the call is passed over without being imported. The policy
 travels as a string argument so compiled-graph caches see it.
 
 The op is defined through `torch.library.Library` with one
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from dma_compile import validate
+from dma_compile.kernels import Unsupported
+from dma_compile.kernels.limits import LIMITS, MAX_HEAD_DIM  # noqa: F401 (MAX_HEAD_DIM: for the doors above)
 from dma_compile.policy import AttentionPolicy, as_policy
 from dma_compile.reference import dma_attention_reference
 
@@ -50,7 +54,6 @@ KERNELS = {
     "sm100": Kernel("dma_compile.kernels.attention_sm100", "attention_sm100", (10,)),
 }
 IMPLS = ("auto", "reference", *KERNELS)
-INPUT_DTYPES = validate.INPUT_DTYPES
 
 
 def check_impl(impl) -> str:
@@ -112,8 +115,20 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(impl: str):
-    kernel = KERNELS[impl]
-    return getattr(importlib.import_module(kernel.module), kernel.function)
+    """The kernel's entry behind its `LIMITS`: a call they refuse raises
+    Unsupported before the kernel's module (and Triton) loads."""
+    limits, kernel = LIMITS[impl], KERNELS[impl]
+
+    def call(q, k, v, attn_mask, is_causal, scale, policy):
+        limits.check(q, v, scale)
+        return _entry(kernel.module, kernel.function)(q, k, v, attn_mask, is_causal, scale, policy)
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(module: str, function: str):
+    return getattr(importlib.import_module(module), function)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,8 +151,6 @@ def stock_sdpa(q, k, v, attn_mask, is_causal: bool, scale: float | None) -> torc
 def run(plan: Route, q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy):
     """Run one validated call as `plan` says."""
     if plan.kernels:
-        from dma_compile.kernels import Unsupported
-
         for name in plan.kernels:
             try:
                 return _kernel(name)(q, k, v, attn_mask, is_causal, scale, policy)

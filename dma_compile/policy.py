@@ -176,13 +176,13 @@ class AttentionPolicy:
     @classmethod
     def paper(cls) -> "AttentionPolicy":
         """The paper's DMA: MXFP8 on sink and diagonal tiles, MXFP4 elsewhere."""
-        return cls()
+        return cls.preset("paper")
 
     @classmethod
     def hopper(cls) -> "AttentionPolicy":
         """DMA on Hopper's precision ladder: input dtype on sink and diagonal
         tiles, folded MXFP8 (per-token FP8 on fp8 tensor cores) elsewhere."""
-        return cls(hi="none", lo="mxfp8_e4m3", mx_mode="folded")
+        return cls.preset("hopper")
 
     @classmethod
     def preset(cls, name: str) -> "AttentionPolicy":
@@ -198,6 +198,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "all_mxfp4": {"hi": "mxfp4_e2m1", "lo": "mxfp4_e2m1"},
     "exact": {"hi": "none", "lo": "none", "smooth_k": False},
 }
+# The fixed presets every comparison reports beside a calibrated policy, and
+# whose errors calibration records per layer, in the order they are reported.
+REFERENCE_PRESETS = ("all_mxfp8", "all_mxfp4", "paper", "hopper")
+
+
+def reference_policies() -> dict[str, AttentionPolicy]:
+    """{name: policy} of the REFERENCE_PRESETS."""
+    return {name: AttentionPolicy.preset(name) for name in REFERENCE_PRESETS}
 
 
 def default_policy(device: torch.device | str | None = None) -> AttentionPolicy:

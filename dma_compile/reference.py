@@ -117,6 +117,63 @@ def key_mean(k: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tens
     return torch.where(n > 0, total / n.clamp(min=1), 0.0).float()
 
 
+def score_is_high(lq: int, lk: int, policy: AttentionPolicy, is_causal: bool, device) -> torch.Tensor:
+    """Bool (Lq, Lk): True where a score runs in the high format (`key_tile_is_high` per score)."""
+    high = key_tile_is_high(lq, lk, policy, is_causal).to(device)
+    return high.repeat_interleave(policy.tile, 0)[:lq].repeat_interleave(policy.tile, 1)[:, :lk]
+
+
+def smoothed_keys(
+    k: torch.Tensor, policy: AttentionPolicy, counted: torch.Tensor | None, compute_dtype: torch.dtype
+) -> torch.Tensor:
+    """K in `compute_dtype`, less its mean over the counted keys where the policy smooths K."""
+    kc = k.to(compute_dtype)
+    if policy.smooth_k:
+        kc = kc - key_mean(k, counted).to(compute_dtype)
+    return kc
+
+
+def format_scores(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    fmt: str,
+    policy: AttentionPolicy,
+    scale: float,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Scaled QK^T (B, Hq, Lq, Lk) as tile format `fmt` computes every score,
+    from Q and (smoothed) K in the compute dtype. Quantization is per token,
+    so it commutes with the GQA head expansion done afterwards."""
+    group = qc.shape[1] // kc.shape[1]
+    qf = quantize_operand(qc, fmt, policy, q_dtype)
+    kf = quantize_operand(kc, fmt, policy, k_dtype).repeat_interleave(group, dim=1)
+    return torch.matmul(qf, kf.transpose(-1, -2)) * scale
+
+
+def fp8_values(
+    v: torch.Tensor, counted: torch.Tensor | None, compute_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements, scale) of V as FP8 P·V reads it, in `compute_dtype`: e4m3
+    elements of V / scale, and the per-channel `fp8_value_scale`."""
+    vc = v.to(compute_dtype)
+    v_scale = fp8_value_scale(v, counted).to(compute_dtype)
+    # e4m3 has no Inf: a non-finite V element is NaN there (saturating it would hide it).
+    v8 = torch.where(torch.isfinite(vc), round_to_element(vc / v_scale, E4M3).to(compute_dtype), float("nan"))
+    return v8, v_scale
+
+
+def fp8_probabilities(p: torch.Tensor) -> torch.Tensor:
+    """P as FP8 P·V reads it: the e4m3 elements of P * P_FP8_SCALE, in p's dtype.
+
+    P lies in [0, 1] (or is NaN), so P * P_FP8_SCALE is within e4m3's range,
+    where torch's e4m3 cast rounds to nearest even exactly as
+    `round_to_element` does (tests/test_reference.py checks every grid
+    midpoint), at a sixth of its cost: calibration rounds a P per candidate.
+    """
+    return (p * P_FP8_SCALE).to(torch.float8_e4m3fn).to(p.dtype)
+
+
 def _weighted_values(w: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """w @ x where row i sums only over the keys it keeps: a non-finite x
     reaches exactly the rows that keep its key (w is 0 elsewhere, and 0 * NaN
@@ -155,21 +212,15 @@ def dma_attention_reference(
     input_dtype = q.dtype
 
     counted = counted_keys(attn_mask, is_causal, b, hkv, lq, lk, q.device)
-    kc = k.to(compute_dtype)
-    if policy.smooth_k:
-        kc = kc - key_mean(k, counted).to(compute_dtype)
+    kc = smoothed_keys(k, policy, counted, compute_dtype)
     qc = q.to(compute_dtype)
 
-    # Scores of each format used, then pick per tile. Quantization is per
-    # token, so it commutes with the GQA head expansion done afterwards.
+    # Scores of each format used, then pick per tile.
     group = hq // hkv
-    high = key_tile_is_high(lq, lk, policy, is_causal).to(q.device)
-    high = high.repeat_interleave(policy.tile, 0)[:lq].repeat_interleave(policy.tile, 1)[:, :lk]
+    high = score_is_high(lq, lk, policy, is_causal, q.device)
     scores = None
     for fmt in policy.formats:
-        qf = quantize_operand(qc, fmt, policy, input_dtype)
-        kf = quantize_operand(kc, fmt, policy, k.dtype).repeat_interleave(group, dim=1)
-        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+        s = format_scores(qc, kc, fmt, policy, scale, input_dtype, k.dtype)
         if scores is None:
             scores = s
         else:
@@ -187,17 +238,13 @@ def dma_attention_reference(
     p = torch.exp(scores - row_max)
     row_sum = p.sum(dim=-1, keepdim=True)
 
-    vc = v.to(compute_dtype)
     if policy.pv == "fp8":
-        v_scale = fp8_value_scale(v, counted).to(compute_dtype)
-        # e4m3 has no Inf: a non-finite V element is NaN there (saturating it would hide it).
-        v8 = torch.where(torch.isfinite(vc), round_to_element(vc / v_scale, E4M3).to(compute_dtype), float("nan"))
-        p8 = round_to_element(p * P_FP8_SCALE, E4M3).to(compute_dtype)
-        out = _weighted_values(p8, v8.repeat_interleave(group, dim=1), keep)
+        v8, v_scale = fp8_values(v, counted, compute_dtype)
+        out = _weighted_values(fp8_probabilities(p), v8.repeat_interleave(group, dim=1), keep)
         out = out * (v_scale.repeat_interleave(group, dim=1) / P_FP8_SCALE)
     else:
         pr = p.to(v.dtype).to(compute_dtype)
-        out = _weighted_values(pr, vc.repeat_interleave(group, dim=1), keep)
+        out = _weighted_values(pr, v.to(compute_dtype).repeat_interleave(group, dim=1), keep)
     out = torch.where(row_sum == 0, torch.zeros_like(out), out / row_sum)
     return out.to(input_dtype)
 

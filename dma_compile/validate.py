@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from dma_compile.formats import BLOCK_SIZE
 from dma_compile.policy import AttentionPolicy
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,9 +87,9 @@ def check_inputs(q, k, v, attn_mask, is_causal, scale, policy: AttentionPolicy, 
             raise ValueError(f"k: the number of KV heads must be positive (q has {hq} heads), got 0")
     elif _known(hq % hkv != 0):
         raise ValueError(f"k: the number of KV heads ({hkv}) must divide q's heads ({hq})")
-    if policy.uses_mx and _known(d % 32 != 0):
+    if policy.uses_mx and _known(d % BLOCK_SIZE != 0):
         raise ValueError(
-            f"q: head_dim must be a multiple of 32 for MX formats (policy hi={policy.hi}, lo={policy.lo}), got {d}"
+            f"q: head_dim must be a multiple of {BLOCK_SIZE} for MX formats (policy hi={policy.hi}, lo={policy.lo}), got {d}"
         )
     if attn_mask is not None:
         _check_mask(attn_mask, is_causal, q, (b, hq, lq, lk))

@@ -224,7 +224,7 @@ def test_cuda_home_warning_is_dropped_and_others_kept(caplog):
 def test_compile_check_reports_relative_figures(files):
     import torch
 
-    from dma_compile.calibrate import load_model
+    from dma_compile.loading import load_model
     from dma_compile.cli import compile_check
 
     model, _ = load_model(files["model"])

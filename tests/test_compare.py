@@ -108,12 +108,12 @@ def test_no_length_note_when_calibrated_at_the_compared_length(setup):
 
 
 def test_plot_into_a_missing_folder_fails_before_any_work(setup, tmp_path, monkeypatch):
-    import dma_compile.compare
+    import dma_compile.compare.entry
 
     def no_work(*args, **kwargs):
         raise AssertionError("the plot path must be checked first")
 
-    monkeypatch.setattr(dma_compile.compare, "load_model", no_work)
+    monkeypatch.setattr(dma_compile.compare.entry, "load_model", no_work)
     model, tok, text, policy = setup
     with pytest.raises(ValueError, match="plot: directory .* does not exist"):
         compare(model, text, policy, tokenizer=tok, plot=tmp_path / "missing" / "errors.png", progress=False)
@@ -132,11 +132,10 @@ def test_compare_rejects_a_policy_for_another_model(setup):
 def _wall_clock_timer(monkeypatch):
     """A wall-clock stand-in for `cuda_time_ms`, so that part (c)'s measuring
     code runs on the CPU; returns the list of `graph` flags it was asked for."""
-    import importlib
     import time
 
-    # The package exports the function `calibrate`, which shadows the module's name.
-    calibrate_module = importlib.import_module("dma_compile.calibrate")
+    import dma_compile.timing
+
     graph_flags = []
 
     def wall_ms(fn, repeats=20, graph=True):
@@ -147,14 +146,14 @@ def _wall_clock_timer(monkeypatch):
             fn()
         return (time.perf_counter() - start) * 500
 
-    monkeypatch.setattr(calibrate_module, "cuda_time_ms", wall_ms)
+    monkeypatch.setattr(dma_compile.timing, "cuda_time_ms", wall_ms)
     return graph_flags
 
 
 def test_speed_table_with_a_wall_clock_timer(setup, monkeypatch):
     """Part (c) runs on a GPU only (CUDA event timing); here it runs on the CPU
     reference with a wall-clock timer, eager prefill only."""
-    from dma_compile.compare import _build_tables, measure_speed
+    from dma_compile.compare import build_tables, measure_speed
 
     graph_flags = _wall_clock_timer(monkeypatch)
     model, tok, text, policy = setup
@@ -170,7 +169,7 @@ def test_speed_table_with_a_wall_clock_timer(setup, monkeypatch):
     result = compare(model, text, policy, tokenizer=tok, windows=1, window_len=64, prompts=1, prompt_len=40,
                      new_tokens=2, progress=False)
     result.speed = speed
-    _build_tables(result, policies, policy)
+    build_tables(result, policies, policy)
     table = result.tables["speed"]
     assert "(c)" in table and "eager prefill ms" in table and "compiled prefill ms" not in table
     for name in policies:
@@ -181,7 +180,7 @@ def test_compiled_prefill_column(setup, monkeypatch):
     """The compiled prefill (torch.compile with mode="reduce-overhead", Inductor
     for SDPA, the dma backend for a policy) is timed and tabulated; on the CPU
     Inductor runs without CUDA graphs."""
-    from dma_compile.compare import _build_tables, measure_speed
+    from dma_compile.compare import build_tables, measure_speed
 
     _wall_clock_timer(monkeypatch)
     model, tok, text, policy = setup
@@ -194,7 +193,7 @@ def test_compiled_prefill_column(setup, monkeypatch):
     result = compare(model, text, policy, tokenizer=tok, windows=1, window_len=64, prompts=1, prompt_len=40,
                      new_tokens=2, progress=False)
     result.speed = speed
-    _build_tables(result, policies, policy)
+    build_tables(result, policies, policy)
     header = result.tables["speed"].splitlines()[1]
     assert [c.strip() for c in header.strip("|").split("|")] == [
         "policy", "eager prefill ms", "speedup", "compiled prefill ms", "speedup", "attention ms", "speedup"]
@@ -205,7 +204,7 @@ def test_cuda_time_ms_replays_a_captured_graph():
     """graph=True: fn runs 3 warm-ups and one capture, then the graph replays;
     graph=False and uncapturable fns (a host sync) run fn every repeat, and
     finding a fn uncapturable leaves the process's CUDA random numbers working."""
-    from dma_compile.calibrate import cuda_time_ms
+    from dma_compile.timing import cuda_time_ms
     from dma_compile.ops import dma_attention
 
     q, k, v = (torch.randn(1, 4, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -6,9 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dma_compile.formats import fake_quantize
+from dma_compile.formats import E4M3, fake_quantize, round_to_element
 from dma_compile.policy import AttentionPolicy
-from dma_compile.reference import diagonal_band, dma_attention_reference, key_tile_is_high
+from dma_compile.reference import (
+    P_FP8_SCALE,
+    diagonal_band,
+    dma_attention_reference,
+    fp8_probabilities,
+    key_tile_is_high,
+)
 
 EXACT = AttentionPolicy.preset("exact")
 F64 = torch.float64
@@ -175,3 +181,21 @@ def test_output_dtype_follows_input():
     q = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
     out = dma_attention_reference(q, q, q, is_causal=True, policy=AttentionPolicy(tile=32))
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp8_probabilities_round_as_formats(dtype, seed):
+    """fp8_probabilities (torch's e4m3 cast) rounds P * P_FP8_SCALE exactly as
+    formats.round_to_element: on every e4m3 value up to the scale, every
+    midpoint between two (the ties) and its float32 neighbours, and random P."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite() & (grid >= 0) & (grid <= P_FP8_SCALE)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))])
+    gen = torch.Generator().manual_seed(seed)
+    scaled = torch.cat([grid, near, torch.rand(100_000, generator=gen) * P_FP8_SCALE,
+                        torch.exp2(-30 * torch.rand(10_000, generator=gen)) * P_FP8_SCALE])
+    p = torch.cat([scaled / P_FP8_SCALE, torch.tensor([0.0, 1.0, float("nan")])]).to(dtype)
+    p = torch.cat([p, torch.rand(100_000, generator=gen, dtype=dtype)])
+    expected = round_to_element(p * P_FP8_SCALE, E4M3).to(dtype)
+    assert torch.equal(fp8_probabilities(p).nan_to_num(-1.0), expected.nan_to_num(-1.0))

@@ -1,9 +1,11 @@
 """Triton kernels behind `torch.ops.dma.attention` (imported lazily by ops.py).
 
+`numerics` holds the rounding and conversion helpers every kernel shares,
 `quantize` is the fused quantization pass over Q, K and V, `masks` classifies
 explicit attention masks into blocks, `attention_sm90` is the Hopper kernel.
-A kernel that cannot serve a call raises `Unsupported`; `impl="auto"` then
-falls back to stock SDPA (dma_compile.ops.run).
+`limits` states what each attention kernel serves; a kernel that cannot
+serve a call raises `Unsupported`, and `impl="auto"` then falls back to
+stock SDPA (dma_compile.ops.run).
 """
 
 

@@ -32,14 +32,17 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
+from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
-from dma_compile.kernels.quantize import (
+from dma_compile.kernels.numerics import (
     HW_CVT,
     INTERPRET,
-    _pow2_wide,
-    _to_dtype,
-    _to_e4m3,
-    _to_f32,
+    pow2_wide,
+    to_dtype,
+    to_e4m3,
+    to_f32,
+)
+from dma_compile.kernels.quantize import (
     key_keep_arguments,
     kv_statistics,
     quantize_tokens,
@@ -65,7 +68,6 @@ KIND_NONE, KIND_MX, KIND_FOLDED = 0, 1, 2
 # tl.dot_scaled's names of the element formats.
 DOT_SCALED_FORMAT = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4_e2m1": "e2m1"}
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
-HEAD_DIMS = (16, 32, 64, 128, 256)
 TRITON_VERSION = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:2])
 # Triton 3.6 fails to compile a zero-initialised tl.dot_scaled in a loop for
 # sm_100 (3.9 does not): older versions get a zero it cannot see (see _qk).
@@ -77,7 +79,7 @@ def _dot_input(a, b, HW_CVT: tl.constexpr):
     """a @ b in fp32 for operands in the input dtype; fp32 operands stay fp32
     (no tf32). The interpreter cannot multiply bf16: it gets exact fp32 copies."""
     if not HW_CVT:
-        r = tl.dot(_to_f32(a, HW_CVT), _to_f32(b, HW_CVT), input_precision="ieee")
+        r = tl.dot(to_f32(a, HW_CVT), to_f32(b, HW_CVT), input_precision="ieee")
     elif a.dtype == tl.float32:
         r = tl.dot(a, b, input_precision="ieee")
     else:
@@ -105,7 +107,7 @@ def _load_q(Q, QS, s_l, offs_m, row_ok, D: tl.constexpr, KIND: tl.constexpr, FMT
         qs = tl.load(QS + offs_m[:, None].to(tl.int64) * (D // 32) + nb[None, :], mask=ok, other=127)
     elif KIND == 2:
         q = q.to(tl.float8e4nv, bitcast=True)
-        qs = _pow2_wide(tl.load(QS + offs_m, mask=row_ok, other=0))
+        qs = pow2_wide(tl.load(QS + offs_m, mask=row_ok, other=0))
     else:
         qs = 0.0
     return q, qs
@@ -146,7 +148,7 @@ def _qk(q, qs, K, KS, s_l, offs_n, key_ok, zero,
             ka = tl.load(KS + offs_n, mask=key_ok, other=0)
         else:
             ka = tl.load(KS + offs_n)
-        s = tl.dot(q, kt.to(tl.float8e4nv, bitcast=True)) * qs[:, None] * _pow2_wide(ka)[None, :]
+        s = tl.dot(q, kt.to(tl.float8e4nv, bitcast=True)) * qs[:, None] * pow2_wide(ka)[None, :]
     else:
         s = _dot_input(q, kt, HW_CVT)
     return s
@@ -186,7 +188,7 @@ def _attend(
                 if MASK_KIND == 1:
                     keep = keep & (tl.load(m_ptrs, mask=m_ok, other=0) != 0)
                 else:
-                    bias = _to_f32(tl.load(m_ptrs, mask=m_ok, other=0.0), HW_CVT)
+                    bias = to_f32(tl.load(m_ptrs, mask=m_ok, other=0.0), HW_CVT)
                     keep = keep & (bias != float("-inf"))
                     s = s + bias * 1.4426950408889634
             s = tl.where(keep, s, float("-inf"))
@@ -208,12 +210,12 @@ def _attend(
         else:
             v = tl.load(v_ptrs)
         if PV_FP8 and HW_CVT:
-            acc = tl.dot(_to_e4m3(p * 256.0, HW_CVT), v, acc)
+            acc = tl.dot(to_e4m3(p * 256.0, HW_CVT), v, acc)
         elif PV_FP8:
-            # The interpreter reads e4m3's NaN code as 480: widen through _to_f32.
-            acc = tl.dot(_to_f32(_to_e4m3(p * 256.0, HW_CVT), HW_CVT), _to_f32(v, HW_CVT), acc)
+            # The interpreter reads e4m3's NaN code as 480: widen through to_f32.
+            acc = tl.dot(to_f32(to_e4m3(p * 256.0, HW_CVT), HW_CVT), to_f32(v, HW_CVT), acc)
         else:
-            acc += _dot_input(_to_dtype(p, V.dtype.element_ty, HW_CVT), v, HW_CVT)
+            acc += _dot_input(to_dtype(p, V.dtype.element_ty, HW_CVT), v, HW_CVT)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -310,7 +312,7 @@ def _dma_attention_sm100_kernel(
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     o_ptrs = O + b64 * so_b + h64 * so_h + offs_m[:, None].to(tl.int64) * so_l + dv[None, :]
-    tl.store(o_ptrs, _to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
+    tl.store(o_ptrs, to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
 
 
 @dataclass
@@ -376,9 +378,7 @@ def _num_warps(block_m: int) -> int:
 
 
 def _check_supported(q, v, policy: AttentionPolicy) -> None:
-    d, dv = q.shape[-1], v.shape[-1]
-    if d not in HEAD_DIMS or dv not in HEAD_DIMS:
-        raise Unsupported(f"q, k, v: the sm100 kernel supports head_dim in {list(HEAD_DIMS)}, got {d} and {dv}")
+    LIMITS["sm100"].check(q, v, None)
     if INTERPRET:
         if q.device.type != "cpu":
             raise Unsupported(f"under TRITON_INTERPRET=1 the sm100 kernel takes CPU tensors, got {q.device.type}")

@@ -36,14 +36,17 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported
+from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key_arguments
-from dma_compile.kernels.quantize import (
+from dma_compile.kernels.numerics import (
     HW_CVT,
     INTERPRET,
+    to_dtype,
+    to_e4m3,
+    to_f32,
+)
+from dma_compile.kernels.quantize import (
     Operand,
-    _to_dtype,
-    _to_f32,
-    _to_e4m3,
     key_keep_arguments,
     kv_statistics,
     plan_tokens,
@@ -63,7 +66,6 @@ from dma_compile.kernels.schedule import (
 )
 from dma_compile.policy import AttentionPolicy
 
-HEAD_DIMS = (32, 64, 128, 256)
 LOG2E = 1.4426950408889634
 # Autotuning compiles and times every config once per shape bucket;
 # DMA_AUTOTUNE=0 takes each head_dim's first config instead.
@@ -80,18 +82,18 @@ def _dot_nt(a, b, HW_CVT: tl.constexpr):
     if HW_CVT:
         r = tl.dot(a, tl.trans(b))
     else:
-        r = tl.dot(_to_f32(a, HW_CVT), tl.trans(_to_f32(b, HW_CVT)))
+        r = tl.dot(to_f32(a, HW_CVT), tl.trans(to_f32(b, HW_CVT)))
     return r
 
 
 @triton.jit
 def _dot_acc(a, b, acc, HW_CVT: tl.constexpr):
-    """a @ b + acc in fp32; the interpreter gets fp32 copies (_to_f32: it
+    """a @ b + acc in fp32; the interpreter gets fp32 copies (to_f32: it
     multiplies bf16 wrongly and reads e4m3's NaN code as 480)."""
     if HW_CVT:
         r = tl.dot(a, b, acc)
     else:
-        r = tl.dot(_to_f32(a, HW_CVT), _to_f32(b, HW_CVT), acc)
+        r = tl.dot(to_f32(a, HW_CVT), to_f32(b, HW_CVT), acc)
     return r
 
 
@@ -154,7 +156,7 @@ def _attend(
                 if MASK_KIND == 1:
                     valid = valid & (tl.load(mptr, mask=mok, other=0) != 0)
                 else:
-                    bias = _to_f32(tl.load(mptr, mask=mok, other=0.0), HW_CVT)
+                    bias = to_f32(tl.load(mptr, mask=mok, other=0.0), HW_CVT)
                     valid = valid & (bias != float("-inf"))
                     s = s + bias * 1.4426950408889634
             s = tl.where(valid, s, float("-inf"))
@@ -171,12 +173,12 @@ def _attend(
         acc = acc * alpha[:, None]
         if PV_FP8:
             vt = V.load([b, hk, 0, start]).reshape(HEAD_DIM_V, BLOCK_N)
-            acc = _dot_acc(_to_e4m3(p, HW_CVT), tl.trans(vt), acc, HW_CVT)
+            acc = _dot_acc(to_e4m3(p, HW_CVT), tl.trans(vt), acc, HW_CVT)
         else:
             v = V.load([b, hk, start, 0]).reshape(BLOCK_N, HEAD_DIM_V)
             if SELECT_V and MASKED:
                 v = tl.where(counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, SELECT_V == 2)[:, None], v, 0.0)
-            acc = _dot_acc(_to_dtype(p, V.dtype, HW_CVT), v, acc, HW_CVT)
+            acc = _dot_acc(to_dtype(p, V.dtype, HW_CVT), v, acc, HW_CVT)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -261,7 +263,7 @@ def _dma_attention_kernel(
     empty = l_i == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     o_ptr = O + b64 * so_b + h.to(tl.int64) * so_h + offs_m[:, None] * so_m + offs_dv[None, :] * so_d
-    tl.store(o_ptr, _to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
+    tl.store(o_ptr, to_dtype(out, O.dtype.element_ty, HW_CVT), mask=row_ok[:, None])
 
 
 def _set_block_shapes(args: dict) -> None:
@@ -310,6 +312,12 @@ _dma_attention_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune},
 )(_dma_attention_kernel)
 
+
+def tuned_config() -> triton.Config | None:
+    """The block configuration autotuning chose for the latest autotuned
+    launch (None before one): the public hook benchmarks report it through."""
+    return getattr(_dma_attention_tuned, "best_config", None)
+
 # Block sizes under the interpreter: small, and smaller than the tests' 32-token tile.
 _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
 
@@ -323,13 +331,7 @@ def _check(q, v, scale, policy: AttentionPolicy) -> None:
         raise Unsupported(
             f"the sm90 kernel needs CUDA tensors, got {q.device.type} (TRITON_INTERPRET=1 runs it on CPU for testing)"
         )
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise Unsupported(f"the sm90 kernel takes bfloat16 or float16 inputs, got {q.dtype}")
-    for name, dim in (("q, k", q.shape[-1]), ("v", v.shape[-1])):
-        if dim not in HEAD_DIMS:
-            raise Unsupported(f"{name}: the sm90 kernel supports head_dim in {list(HEAD_DIMS)}, got {dim}")
-    if scale <= 0:
-        raise Unsupported(f"scale: the sm90 kernel needs a positive softmax scale, got {scale}")
+    LIMITS["sm90"].check(q, v, scale)
     uses_fp8 = policy.pv == "fp8" or any(_kind(f, policy) == KIND_FP8 for f in policy.formats)
     if q.device.type == "cuda" and uses_fp8 and torch.cuda.get_device_capability(q.device) < (8, 9):
         raise Unsupported("fp8 tensor cores (folded MX or pv='fp8') need compute capability 8.9 or newer")

@@ -50,13 +50,13 @@ from dma_compile.kernels.gluon_compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.schedule import collapse_expanded_heads
 from dma_compile.policy import AttentionPolicy
 
 # Query rows of one consumer warpgroup (one wgmma M of 64) and of a program.
 ROWS = gl.constexpr(64)
 BLOCK_M = gl.constexpr(2 * 64)
-HEAD_DIMS = (64, 128)
 # Registers per thread at launch over the 12 warps (3 warpgroups) of a
 # program; setmaxnreg then moves them from the producer to the consumers.
 MAXNREG = 168
@@ -76,10 +76,9 @@ def unsupported_reason(q, k, v, attn_mask, is_causal: bool, policy: AttentionPol
         capability = torch.cuda.get_device_capability(q.device)
     if tuple(capability) != (9, 0):
         return "the Gluon sm90 kernel needs an sm_90 GPU (H100/H200)"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the Gluon sm90 kernel takes bfloat16 or float16, got {q.dtype}"
-    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
-        return f"the Gluon sm90 kernel takes head_dim {list(HEAD_DIMS)} with equal q/k and v head_dim"
+    reason = LIMITS["sm90_gluon"].refusal(q, v, None)
+    if reason is not None:
+        return reason
     if attn_mask is not None:
         return "the Gluon sm90 kernel does not read explicit masks yet"
     if policy.uses_mx and policy.mx_mode != "folded":
@@ -529,8 +528,7 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
         raise Unsupported(reason)
     b, hq, lq, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if scale <= 0:
-        raise Unsupported(f"scale: the Gluon sm90 kernel needs a positive softmax scale, got {scale}")
+    LIMITS["sm90_gluon"].check(q, v, scale)
     k, v = collapse_expanded_heads(k, v)
     shape = (b, hq, k.shape[1], lq, k.shape[2], d, v.shape[-1])
     return gluon_attention_from_quantized(quantize_inputs(q, k, v, policy), shape, is_causal, scale, policy, **variant)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.quantize import HW_CVT, INTERPRET, _pow2_wide, _to_f32
+from dma_compile.kernels.numerics import HW_CVT, INTERPRET, pow2_wide, to_f32
 
 FMT_CODES = {"none": 0, "mxfp8_e4m3": 1, "mxfp4_e2m1": 3}
 HEAD_DIMS = (32, 64, 128, 256)
@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _scale_of(byte):
     """2^(byte - 127) for a stored exponent byte; 255 (a NaN token) reads NaN."""
-    return tl.where(byte == 255, float("nan"), _pow2_wide(byte.to(tl.int32) - 127))
+    return tl.where(byte == 255, float("nan"), pow2_wide(byte.to(tl.int32) - 127))
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _e4m3_values(bits, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
         b = bits.to(tl.int32)
         e = (b >> 3) & 15
         m = (b & 7).to(tl.float32)
-        mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * _pow2_wide(e - 10))
+        mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * pow2_wide(e - 10))
         mag = tl.where((b & 127) == 127, float("nan"), mag)
         r = tl.where((b & 128) != 0, -mag, mag)
     return r
@@ -81,7 +81,7 @@ def _operand(x, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
     if HW_CVT:
         r = x.to(DTYPE)
     else:
-        r = _to_f32(x, HW_CVT)
+        r = to_f32(x, HW_CVT)
     return r
 
 

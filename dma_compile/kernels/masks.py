@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dma_compile.kernels.quantize import HW_CVT, _to_f32
+from dma_compile.kernels.numerics import HW_CVT, to_f32
 
 CELL = 16
 _CHUNK = 256
@@ -60,7 +60,7 @@ def _classify_kernel(
             attend = (vals != 0) & ok
             masked = (vals == 0) & ok
         else:
-            vals = _to_f32(vals, HW_CVT)
+            vals = to_f32(vals, HW_CVT)
             # NaN counts as attended and not zero: its blocks are read, so it propagates.
             attend = (vals != float("-inf")) & ok
             masked = (vals != 0.0) & ok

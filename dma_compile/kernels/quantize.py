@@ -45,241 +45,53 @@ GPU computes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-# Read when this module is imported, like triton.jit reads it when decorating.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-HW_CVT = not INTERPRET
-
-FMT_CODES = {"mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as float32 for int32 e in [-126, 127], built from the exponent bits."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pow2_wide(e):
-    """2^e as float32 for int32 e >= -149 (subnormal below -126), 0 further down."""
-    normal = ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True)
-    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
-    return tl.where(e >= -126, normal, tl.where(e >= -149, sub, 0.0))
-
-
-@triton.jit
-def _with_sign_of(mag, x):
-    bits = mag.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_grid(a, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAX_NORMAL: tl.constexpr):
-    """Round non-negative float32 `a` to a float grid: nearest even, saturating.
-
-    Adding and subtracting 1.5 * 2^(quantum exponent + 23) makes the float32
-    adder round to the quantum (nearest even); the quantum is that of a's
-    binade, never below the smallest normal's (subnormals share it).
-    """
-    a = tl.minimum(a, MAX_NORMAL)
-    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, MIN_EXP)
-    magic = (((e - MBITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    return (a + magic) - magic
-
-
-@triton.jit
-def _round_element(x, FMT: tl.constexpr):
-    """x on the element grid of FMT (1 e4m3, 2 e5m2, 3 e2m1), float32; not for NaN."""
-    if FMT == 1:
-        r = _with_sign_of(_round_grid(tl.abs(x), 3, -6, 448.0), x)
-    elif FMT == 2:
-        r = _with_sign_of(_round_grid(tl.abs(x), 2, -14, 57344.0), x)
-    else:
-        r = _with_sign_of(_round_grid(tl.abs(x), 1, 0, 6.0), x)
-    return r
-
-
-@triton.jit
-def _e4m3_bits(x):
-    """e4m3(x) (nearest even, saturating) as uint8 bits; not for NaN.
-
-    Encoded by integer arithmetic from the rounded value rather than cast, so
-    no conversion instruction can flush or re-round it.
-    """
-    r = _round_element(x, 1)
-    a = tl.abs(r)
-    fb = a.to(tl.int32, bitcast=True)
-    normal = (((fb >> 23) - 120) << 3) | ((fb >> 20) & 7)
-    code = tl.where(a >= 0.015625, normal, (a * 512.0).to(tl.int32))
-    return (code | ((r.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
-
-
-@triton.jit
-def _to_e4m3(x, HW_CVT: tl.constexpr):
-    """e4m3(x) as float8e4nv for the attention kernel's P: the hardware cast
-    (nearest even, saturating: it matched `formats` on every bf16 value in
-    e4m3's range on an H200), emulated under the interpreter."""
-    if HW_CVT:
-        r = x.to(tl.float8e4nv)
-    else:
-        r = _round_element(x, 1).to(tl.float8e4nv)
-    return r
-
-
-@triton.jit
-def _on_element_grid(x, FMT: tl.constexpr, HW_CVT: tl.constexpr):
-    """_round_element with the hardware fp8 cast for e4m3/e5m2 where HW_CVT.
-
-    Clamping first makes the saturation explicit (|x| above the largest normal
-    becomes it, as in `formats`) whatever the instruction does past it; the
-    widening back to float32 is exact. NaN gives an unspecified value.
-    """
-    if HW_CVT and FMT == 1:
-        r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
-    elif HW_CVT and FMT == 2:
-        r = tl.minimum(tl.maximum(x, -57344.0), 57344.0).to(tl.float8e5).to(tl.float32)
-    else:
-        r = _round_element(x, FMT)
-    return r
-
-
-@triton.jit
-def _e4m3_code(x, HW_CVT: tl.constexpr):
-    """e4m3(x) (nearest even, saturating) as uint8 bits: the clamped hardware
-    cast where HW_CVT, `_e4m3_bits` otherwise. Not for NaN."""
-    if HW_CVT:
-        r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        r = _e4m3_bits(x)
-    return r
-
-
-@triton.jit
-def _round_bf16_bits(x):
-    """bf16(x), nearest even, built from the float32 bits (exact on every
-    device, subnormals included; the interpreter's own cast truncates)."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = tl.where(x == x, bits + (0x7FFF + ((bits >> 16) & 1)), bits)
-    return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _to_f32(x, HW_CVT: tl.constexpr):
-    """x as float32 (the interpreter widens bf16 subnormals wrongly: shift the
-    bits instead; it reads e4m3's NaN code as 480: select NaN there)."""
-    if not HW_CVT and x.dtype == tl.bfloat16:
-        r = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif not HW_CVT and x.dtype == tl.float8e4nv:
-        r = tl.where((x.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
-    else:
-        r = x.to(tl.float32)
-    return r
-
-
-@triton.jit
-def _to_dtype(x, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
-    """Cast float32 x to DTYPE with nearest-even rounding (hardware cast where there is one)."""
-    if DTYPE == tl.bfloat16 and not HW_CVT:
-        r = _round_bf16_bits(x)
-    else:
-        r = x.to(DTYPE)
-    return r
-
-
-@triton.jit
-def _to_dtype_exact(x, DTYPE: tl.constexpr):
-    """Cast float32 x to bf16 by bit arithmetic, to fp16 by the (exact) hardware cast."""
-    if DTYPE == tl.bfloat16:
-        r = _round_bf16_bits(x)
-    else:
-        r = x.to(DTYPE)
-    return r
-
-
-@triton.jit
-def _log2_parts(a):
-    """floor(log2(a)) and the 23 fraction bits of a's normalised significand, a > 0 finite."""
-    bits = a.to(tl.int32, bitcast=True)
-    ef = bits >> 23
-    mant = bits & 0x7FFFFF
-    # A subnormal has no implicit bit: find its leading bit by an exact int -> float conversion.
-    lead = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
-    e = tl.where(ef > 0, ef - 127, lead - 149)
-    shift = tl.minimum(tl.maximum(23 - lead, 0), 31)
-    frac = tl.where(ef > 0, mant, (mant << shift) & 0x7FFFFF)
-    return e, frac
-
-
-@triton.jit
-def _mx_limits(FMT: tl.constexpr):
-    """(emax, max_frac) of element format FMT (1 E4M3, 2 E5M2, 3 E2M1): its
-    largest normal is 1.max_frac * 2^emax, max_frac as float32 mantissa bits."""
-    if FMT == 1:
-        return 8, 0x600000
-    elif FMT == 2:
-        return 15, 0x600000
-    else:
-        return 2, 0x400000
-
-
-@triton.jit
-def _scale_exponent(amax, FMT: tl.constexpr, RCEIL: tl.constexpr):
-    """E8M0 exponent of a block with finite amax (formats.scale_exponents):
-    rceil takes the smallest k with amax <= max_normal * 2^k, floor the spec's
-    floor(log2 amax) - emax."""
-    emax, max_frac = _mx_limits(FMT)
-    e, frac = _log2_parts(amax)
-    if RCEIL:
-        e = e + (frac > max_frac).to(tl.int32)
-    s = tl.where(amax == 0, -127, e - emax)
-    return tl.minimum(tl.maximum(s, -127), 127)
-
-
-@triton.jit
-def _block_amax(x):
-    """Per block of 32 of x (tokens, D // 32, 32): the amax of |x| and whether
-    the block holds NaN or Inf (it then gets a NaN scale and reads back NaN).
-
-    |x|'s float32 bits order like |x|, with Inf and NaN above every finite
-    value, so one integer max gives both. Shared by the formats of one pass.
-    A bad block's amax reads as float32's largest value: its elements, then
-    overwritten, are scaled down and cannot overflow.
-    """
-    block_max = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-    bad = block_max >= 0x7F800000
-    return tl.where(bad, 0x7F7FFFFF, block_max).to(tl.float32, bitcast=True), bad
+from dma_compile.kernels.numerics import (
+    FMT_CODES,
+    HW_CVT,
+    block_amax,
+    e4m3_code,
+    log2_parts,
+    mx_limits,
+    on_element_grid,
+    pow2,
+    pow2_wide,
+    round_bf16_bits,
+    scale_exponent,
+    to_dtype_exact,
+    to_f32,
+)
 
 
 @triton.jit
 def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, SCALES, out_offs, row_offs,
                  FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
                  HW_CVT: tl.constexpr):
-    """MX-quantize x (tokens, D // 32, 32) with its blocks' `_block_amax`; store
+    """MX-quantize x (tokens, D // 32, 32) with its blocks' `block_amax`; store
     the exact or folded form (and, with POW2, the folded exponents' powers of two)."""
-    s = _scale_exponent(amax, FMT, RCEIL)
-    elem = _on_element_grid(x * _pow2(-s)[:, :, None], FMT, HW_CVT)
+    s = scale_exponent(amax, FMT, RCEIL)
+    elem = on_element_grid(x * pow2(-s)[:, :, None], FMT, HW_CVT)
     if FOLDED:
-        emax, _ = _mx_limits(FMT)
+        emax, _ = mx_limits(FMT)
         # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
         a = tl.max(tl.where(bad, 128, s), axis=1) + (emax - 8)
         shift = tl.maximum(s - a[:, None], -126)
-        bits = _e4m3_code(elem * _pow2(shift)[:, :, None], HW_CVT)
+        bits = e4m3_code(elem * pow2(shift)[:, :, None], HW_CVT)
         bits = tl.where(bad[:, :, None], 0x7F, bits)
         tl.store(OUT + out_offs, bits, mask=ok)
         tl.store(EXPS + row_offs, a, mask=row_ok)
         if POW2:
-            tl.store(SCALES + row_offs, _pow2(tl.minimum(tl.maximum(a, -126), 127)), mask=row_ok)
+            tl.store(SCALES + row_offs, pow2(tl.minimum(tl.maximum(a, -126), 127)), mask=row_ok)
     else:
         # NaN before scaling (a bad block's elements could overflow); two
         # steps keep the power of two normal for s = -127.
-        deq = (tl.where(bad[:, :, None], float("nan"), elem) * _pow2(s + 1)[:, :, None]) * 0.5
-        tl.store(OUT + out_offs, _round_bf16_bits(deq), mask=ok)
+        deq = (tl.where(bad[:, :, None], float("nan"), elem) * pow2(s + 1)[:, :, None]) * 0.5
+        tl.store(OUT + out_offs, round_bf16_bits(deq), mask=ok)
 
 
 @triton.jit
@@ -305,7 +117,7 @@ def _quantize_token_block(
     row_ok = t1 < L
     ok = (t < L) & (d < D)
     src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-    x = _to_f32(tl.load(src + t.to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
+    x = to_f32(tl.load(src + t.to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
     if SMOOTH:
         # Loaded at x's full shape (L1 hits after the first token): a [1, D]
         # load would get a layout of its own that the whole pass then adopts.
@@ -313,9 +125,9 @@ def _quantize_token_block(
     out_offs = pid_bh.to(tl.int64) * L * D + t * D + d
     row_offs = pid_bh.to(tl.int64) * L + t1
     if WRITE_NONE:
-        tl.store(NONE_OUT + out_offs, _to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
+        tl.store(NONE_OUT + out_offs, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
     if FMT1 != 0:
-        amax, bad = _block_amax(x)
+        amax, bad = block_amax(x)
         _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, SCALES1, out_offs, row_offs,
                      FMT1, FOLDED, RCEIL, POW2, HW_CVT)
         if FMT2 != 0:
@@ -383,13 +195,13 @@ def _kv_stats_chunk(
         counted = _counted(KEEP, skp_b, skp_h, b, h, rows, ok, HAS_KEEP)[:, None]
         if NEED_K:
             kt = tl.load(k_src + rows[:, None].to(tl.int64) * sk_l + dk[None, :] * sk_d, mask=ok[:, None], other=0.0)
-            kt = _to_f32(kt, HW_CVT)
+            kt = to_f32(kt, HW_CVT)
             use = counted & (tl.abs(kt) < float("inf"))
             ksum += tl.where(use, kt, 0.0).to(tl.float64)
             kcnt += use.to(tl.int32)
         if NEED_V:
             vt = tl.load(v_src + rows[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d, mask=ok[:, None], other=0.0)
-            bits = _to_f32(vt, HW_CVT).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            bits = to_f32(vt, HW_CVT).to(tl.int32, bitcast=True) & 0x7FFFFFFF
             vmax_bits = tl.maximum(vmax_bits, tl.where(counted & (bits < 0x7F800000), bits, 0))
     if NEED_K:
         tl.store(KSUM + (pid_bh * N_CHUNKS + pid_c) * D + dk, tl.sum(ksum, axis=0))
@@ -458,10 +270,10 @@ def _kv_stats_finalize_kernel(
         amax = tl.max(tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0), axis=0)
         # A channel without a nonzero value gets scale 1, as reference.fp8_value_scale.
         amax = tl.where(amax > 0, amax, 448.0)
-        e, frac = _log2_parts(amax)
+        e, frac = log2_parts(amax)
         e = e + (frac > 0x600000).to(tl.int32) - 8
         tl.store(VEXP + pid_bh * DV + dv, e)
-        tl.store(VSCALE + pid_bh * DV + dv, _pow2_wide(e))
+        tl.store(VSCALE + pid_bh * DV + dv, pow2_wide(e))
 
 
 @triton.jit
@@ -491,8 +303,8 @@ def _quantize_v_kernel(
     e = tl.load(VEXP + pid_bh * DV + d)
     # 2^-e in two normal factors: e can lie outside float32's normal range.
     half = (-e) >> 1
-    x = _to_f32(v, HW_CVT) * _pow2(half)[None, :] * _pow2(-e - half)[None, :]
-    bits = tl.where(tl.abs(x) < float("inf"), _e4m3_code(x, HW_CVT), 0x7F)
+    x = to_f32(v, HW_CVT) * pow2(half)[None, :] * pow2(-e - half)[None, :]
+    bits = tl.where(tl.abs(x) < float("inf"), e4m3_code(x, HW_CVT), 0x7F)
     counted = _counted(KEEP, skp_b, skp_h, b, h, t, ok & (t < L_COUNTED), HAS_KEEP)
     bits = tl.where(counted[:, None], bits, 0)
     dst = OUT + pid_bh.to(tl.int64) * DV * L_PAD

@@ -12,7 +12,7 @@ scale per block of 32 along the head dimension, bit-identical to
 
 Optionally it also writes the (smoothed) values rounded to the input dtype
 (format "none"). Rounding, scale rule and e4m3 encoding are the helpers of
-`dma_compile.kernels.quantize` (shared with the Hopper kernel, whose pass
+`dma_compile.kernels.numerics` (shared with the Hopper kernel, whose pass
 writes dequantized bf16 instead, which Blackwell's block-scaled MMA does not
 need); the e5m2 and packed-e2m1 encoders live here. All are integer/float
 arithmetic, bit-exact on every device and in the interpreter.
@@ -26,15 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dma_compile.kernels.quantize import (
+from dma_compile.kernels.numerics import (
     FMT_CODES,
     HW_CVT,
-    _e4m3_bits,
-    _pow2,
-    _round_element,
-    _scale_exponent,
-    _to_dtype_exact,
-    _to_f32,
+    e4m3_bits,
+    pow2,
+    round_element,
+    scale_exponent,
+    to_dtype_exact,
+    to_f32,
 )
 
 # Payload elements per byte for each format code (e2m1 packs two).
@@ -73,9 +73,9 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
     # A block holding NaN or Inf gets scale 255 (NaN) and zero elements, as formats.quantize_mx.
     bad = tl.max((~finite).to(tl.int32), axis=2) > 0
     amax = tl.max(tl.where(finite, ax, 0.0), axis=2)
-    s = _scale_exponent(amax, FMT, RCEIL)
+    s = scale_exponent(amax, FMT, RCEIL)
     # A finite float32 amax is below 2^128, so s <= 126 and 2^-s is a normal float.
-    elem = _round_element(tl.where(finite, x, 0.0) * _pow2(-s)[:, :, None], FMT)
+    elem = round_element(tl.where(finite, x, 0.0) * pow2(-s)[:, :, None], FMT)
     elem = tl.where(bad[:, :, None], 0.0, elem)
     rows = bh.to(tl.int64) * L + t
     blocks = tl.arange(0, NB)
@@ -89,7 +89,7 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
                  mask=t_ok[:, None])
     else:
         if FMT == 1:
-            bits = _e4m3_bits(elem)
+            bits = e4m3_bits(elem)
         else:
             bits = _e5m2_bits(elem)
         cols = tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -115,12 +115,12 @@ def _mx_payload_kernel(
     d = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     ok = t_ok[:, None, None]
     src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-    x = _to_f32(tl.load(src + t[:, None, None].to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
+    x = to_f32(tl.load(src + t[:, None, None].to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
     if SMOOTH:
         x = x - tl.load(MEAN + pid_bh * D + d)
     if WRITE_NONE:
         dst = NONE_OUT + (pid_bh.to(tl.int64) * L + t[:, None, None]) * D + d
-        tl.store(dst, _to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
+        tl.store(dst, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
     if FMT1 != 0:
         _store_mx(x, PAYLOAD1, SCALES1, pid_bh, t, t_ok, L, D, FMT1, RCEIL)
     if FMT2 != 0:

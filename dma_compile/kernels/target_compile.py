@@ -13,7 +13,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dma_compile.kernels.quantize import INTERPRET
+from dma_compile.kernels.numerics import INTERPRET
 
 # Triton's names of the pointer element types the kernels take.
 POINTER_TYPES = {

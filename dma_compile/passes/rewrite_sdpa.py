@@ -29,8 +29,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dma_compile.ops import INPUT_DTYPES, check_impl  # also registers torch.ops.dma.attention
+from dma_compile.formats import BLOCK_SIZE
+from dma_compile.ops import MAX_HEAD_DIM, check_impl  # also registers torch.ops.dma.attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
+from dma_compile.validate import INPUT_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +42,6 @@ SDPA_TARGETS = (
 )
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-MAX_HEAD_DIM = 256
-MX_BLOCK = 32
 
 # Ops that reshape in row-major order without reordering elements: between
 # shapes that differ only by singleton dims or by merging adjacent dims they
@@ -266,8 +266,8 @@ def unsupported_reason(args: dict, policy: AttentionPolicy) -> str | None:
         return "symbolic head_dim"
     if max(head_dim, v_head_dim) > MAX_HEAD_DIM:
         return f"head_dim {max(head_dim, v_head_dim)} > {MAX_HEAD_DIM}"
-    if policy.uses_mx and head_dim % MX_BLOCK:
-        return f"head_dim {head_dim} is not a multiple of {MX_BLOCK} (the policy uses MX formats)"
+    if policy.uses_mx and head_dim % BLOCK_SIZE:
+        return f"head_dim {head_dim} is not a multiple of {BLOCK_SIZE} (the policy uses MX formats)"
     if not (_same(k.shape[0], q.shape[0]) and _same(v.shape[0], q.shape[0])):
         return "batch sizes of query/key/value differ (SDPA broadcasting)"
     # A KV cache's keys and values carry two length symbols that no guard ties

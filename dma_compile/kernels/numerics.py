@@ -1,0 +1,220 @@
+"""Numerics of the Triton kernels: element rounding, E8M0 scales, conversions.
+
+The `@triton.jit` helpers every pass and kernel shares (the quantization
+passes, mask classification, the attention and decode kernels): powers of
+two from exponent bits, rounding to the MX element grids (bit-identical to
+`dma_compile.formats`: nearest even, saturating, rceil/floor scale rules),
+the e4m3 conversions, and exact float32/bf16/fp16 conversions. `HW_CVT` picks
+the hardware conversions on a GPU and their exact emulation under Triton's
+interpreter (see `dma_compile.kernels.quantize`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Read when this module is imported, like triton.jit reads it when decorating.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HW_CVT = not INTERPRET
+
+FMT_CODES = {"mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
+
+
+@triton.jit
+def pow2(e):
+    """2^e as float32 for int32 e in [-126, 127], built from the exponent bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_wide(e):
+    """2^e as float32 for int32 e >= -149 (subnormal below -126), 0 further down."""
+    normal = ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, tl.where(e >= -149, sub, 0.0))
+
+
+@triton.jit
+def with_sign_of(mag, x):
+    bits = mag.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_grid(a, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAX_NORMAL: tl.constexpr):
+    """Round non-negative float32 `a` to a float grid: nearest even, saturating.
+
+    Adding and subtracting 1.5 * 2^(quantum exponent + 23) makes the float32
+    adder round to the quantum (nearest even); the quantum is that of a's
+    binade, never below the smallest normal's (subnormals share it).
+    """
+    a = tl.minimum(a, MAX_NORMAL)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, MIN_EXP)
+    magic = (((e - MBITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (a + magic) - magic
+
+
+@triton.jit
+def round_element(x, FMT: tl.constexpr):
+    """x on the element grid of FMT (1 e4m3, 2 e5m2, 3 e2m1), float32; not for NaN."""
+    if FMT == 1:
+        r = with_sign_of(round_grid(tl.abs(x), 3, -6, 448.0), x)
+    elif FMT == 2:
+        r = with_sign_of(round_grid(tl.abs(x), 2, -14, 57344.0), x)
+    else:
+        r = with_sign_of(round_grid(tl.abs(x), 1, 0, 6.0), x)
+    return r
+
+
+@triton.jit
+def e4m3_bits(x):
+    """e4m3(x) (nearest even, saturating) as uint8 bits; not for NaN.
+
+    Encoded by integer arithmetic from the rounded value rather than cast, so
+    no conversion instruction can flush or re-round it.
+    """
+    r = round_element(x, 1)
+    a = tl.abs(r)
+    fb = a.to(tl.int32, bitcast=True)
+    normal = (((fb >> 23) - 120) << 3) | ((fb >> 20) & 7)
+    code = tl.where(a >= 0.015625, normal, (a * 512.0).to(tl.int32))
+    return (code | ((r.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def to_e4m3(x, HW_CVT: tl.constexpr):
+    """e4m3(x) as float8e4nv for the attention kernel's P: the hardware cast
+    (nearest even, saturating: it matched `formats` on every bf16 value in
+    e4m3's range on an H200), emulated under the interpreter."""
+    if HW_CVT:
+        r = x.to(tl.float8e4nv)
+    else:
+        r = round_element(x, 1).to(tl.float8e4nv)
+    return r
+
+
+@triton.jit
+def on_element_grid(x, FMT: tl.constexpr, HW_CVT: tl.constexpr):
+    """round_element with the hardware fp8 cast for e4m3/e5m2 where HW_CVT.
+
+    Clamping first makes the saturation explicit (|x| above the largest normal
+    becomes it, as in `formats`) whatever the instruction does past it; the
+    widening back to float32 is exact. NaN gives an unspecified value.
+    """
+    if HW_CVT and FMT == 1:
+        r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+    elif HW_CVT and FMT == 2:
+        r = tl.minimum(tl.maximum(x, -57344.0), 57344.0).to(tl.float8e5).to(tl.float32)
+    else:
+        r = round_element(x, FMT)
+    return r
+
+
+@triton.jit
+def e4m3_code(x, HW_CVT: tl.constexpr):
+    """e4m3(x) (nearest even, saturating) as uint8 bits: the clamped hardware
+    cast where HW_CVT, `e4m3_bits` otherwise. Not for NaN."""
+    if HW_CVT:
+        r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        r = e4m3_bits(x)
+    return r
+
+
+@triton.jit
+def round_bf16_bits(x):
+    """bf16(x), nearest even, built from the float32 bits (exact on every
+    device, subnormals included; the interpreter's own cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = tl.where(x == x, bits + (0x7FFF + ((bits >> 16) & 1)), bits)
+    return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def to_f32(x, HW_CVT: tl.constexpr):
+    """x as float32 (the interpreter widens bf16 subnormals wrongly: shift the
+    bits instead; it reads e4m3's NaN code as 480: select NaN there)."""
+    if not HW_CVT and x.dtype == tl.bfloat16:
+        r = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif not HW_CVT and x.dtype == tl.float8e4nv:
+        r = tl.where((x.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
+    else:
+        r = x.to(tl.float32)
+    return r
+
+
+@triton.jit
+def to_dtype(x, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
+    """Cast float32 x to DTYPE with nearest-even rounding (hardware cast where there is one)."""
+    if DTYPE == tl.bfloat16 and not HW_CVT:
+        r = round_bf16_bits(x)
+    else:
+        r = x.to(DTYPE)
+    return r
+
+
+@triton.jit
+def to_dtype_exact(x, DTYPE: tl.constexpr):
+    """Cast float32 x to bf16 by bit arithmetic, to fp16 by the (exact) hardware cast."""
+    if DTYPE == tl.bfloat16:
+        r = round_bf16_bits(x)
+    else:
+        r = x.to(DTYPE)
+    return r
+
+
+@triton.jit
+def log2_parts(a):
+    """floor(log2(a)) and the 23 fraction bits of a's normalised significand, a > 0 finite."""
+    bits = a.to(tl.int32, bitcast=True)
+    ef = bits >> 23
+    mant = bits & 0x7FFFFF
+    # A subnormal has no implicit bit: find its leading bit by an exact int -> float conversion.
+    lead = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+    e = tl.where(ef > 0, ef - 127, lead - 149)
+    shift = tl.minimum(tl.maximum(23 - lead, 0), 31)
+    frac = tl.where(ef > 0, mant, (mant << shift) & 0x7FFFFF)
+    return e, frac
+
+
+@triton.jit
+def mx_limits(FMT: tl.constexpr):
+    """(emax, max_frac) of element format FMT (1 E4M3, 2 E5M2, 3 E2M1): its
+    largest normal is 1.max_frac * 2^emax, max_frac as float32 mantissa bits."""
+    if FMT == 1:
+        return 8, 0x600000
+    elif FMT == 2:
+        return 15, 0x600000
+    else:
+        return 2, 0x400000
+
+
+@triton.jit
+def scale_exponent(amax, FMT: tl.constexpr, RCEIL: tl.constexpr):
+    """E8M0 exponent of a block with finite amax (formats.scale_exponents):
+    rceil takes the smallest k with amax <= max_normal * 2^k, floor the spec's
+    floor(log2 amax) - emax."""
+    emax, max_frac = mx_limits(FMT)
+    e, frac = log2_parts(amax)
+    if RCEIL:
+        e = e + (frac > max_frac).to(tl.int32)
+    s = tl.where(amax == 0, -127, e - emax)
+    return tl.minimum(tl.maximum(s, -127), 127)
+
+
+@triton.jit
+def block_amax(x):
+    """Per block of 32 of x (tokens, D // 32, 32): the amax of |x| and whether
+    the block holds NaN or Inf (it then gets a NaN scale and reads back NaN).
+
+    |x|'s float32 bits order like |x|, with Inf and NaN above every finite
+    value, so one integer max gives both. Shared by the formats of one pass.
+    A bad block's amax reads as float32's largest value: its elements, then
+    overwritten, are scaled down and cannot overflow.
+    """
+    block_max = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    bad = block_max >= 0x7F800000
+    return tl.where(bad, 0x7F7FFFFF, block_max).to(tl.float32, bitcast=True), bad
