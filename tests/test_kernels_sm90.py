@@ -181,9 +181,9 @@ def large(case):
 
 @pytest.fixture
 def no_autotune(monkeypatch):
-    from dma_compile.kernels import attention_sm90
+    from dma_compile.kernels import launch
 
-    monkeypatch.setattr(attention_sm90, "AUTOTUNE", False)
+    monkeypatch.setattr(launch, "AUTOTUNE", False)
 
 
 @pytest.mark.gpu
