@@ -549,8 +549,7 @@ def attention_sm90(
     """
     if attn_mask is not None or config is not None or INTERPRET:
         return _attention(q, k, v, attn_mask, is_causal, scale, policy, config)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, is_causal, scale,
-           policy.to_string(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, launch.AUTOTUNE)
+    key = signature(q, k, v, is_causal, scale, policy)
     replay = _replays.get(key)
     if replay is None:
         with launch.recording() as rec:
@@ -562,6 +561,12 @@ def attention_sm90(
     if replay is _NO_REPLAY:
         return _attention(q, k, v, None, is_causal, scale, policy, None)
     return replay.run((q, k, v))
+
+
+def signature(q, k, v, is_causal: bool, scale: float | None, policy: AttentionPolicy) -> tuple:
+    """What a call without a mask must share with an earlier one to replay its launches."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, is_causal, scale,
+            policy.to_string(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, launch.AUTOTUNE)
 
 
 def _attention(q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy,
