@@ -161,7 +161,8 @@ def breakdown(shape, names, device):
 
 
 def run_shapes(shapes, names, sdpa_names, device):
-    from dma_compile.kernels.attention_sm90 import _dma_attention_tuned
+    from dma_compile.kernels import launch
+    from dma_compile.kernels.attention_sm90 import _dma_attention_tuned, config_for
 
     results = []
     todo = [(shape, m) for shape in shapes for m in sdpa_names + names]
@@ -181,7 +182,9 @@ def run_shapes(shapes, names, sdpa_names, device):
         try:
             fn()
             if method in DMA_POLICIES:
-                config = str(_dma_attention_tuned.best_config)
+                # The autotuner's choice, or the rule's (kernels.attention_sm90.config_for).
+                config = str(_dma_attention_tuned.best_config if launch.AUTOTUNE else config_for(
+                    torch.cuda.get_device_capability(device)[0], d, policy.tile, policy.pv == "fp8"))
             ms = bench(fn)
         except RuntimeError as e:  # an SDPA backend that does not take this shape
             print(f"{method} {shape}: {str(e).splitlines()[0]}", file=sys.stderr)
