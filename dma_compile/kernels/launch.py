@@ -29,7 +29,7 @@ _ALIGN = 256
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for host integers (triton.cdiv is a slower constexpr function since Triton 3.8)."""
+    """ceil(a / b) for host integers (triton.cdiv is a constexpr function, slow to call from host code)."""
     return -(-a // b)
 
 
@@ -107,7 +107,9 @@ class Recording:
                         size += cdiv(storage.nbytes(), _ALIGN) * _ALIGN
                     slots.append((i, len(inputs), buffers[base] + inner, desc))
                 values[i] = None  # filled per call; the template must not keep this call's tensors alive
-            launches.append((rec.compiled[rec.grid], values, tuple(slots)))
+            # CompiledKernel[grid] reads three grid dimensions (JITFunction.run pads them).
+            grid = tuple(rec.grid) + (1,) * (3 - len(rec.grid))
+            launches.append((rec.compiled[grid], values, tuple(slots)))
         return Replay(tuple(launches), max(size, 1), tuple(out.shape), out.dtype)
 
 
