@@ -1,7 +1,8 @@
 """Triton kernels behind `torch.ops.dma.attention` (imported lazily by ops.py).
 
 `quantize` is the fused quantization pass over Q, K and V, `masks` classifies
-explicit attention masks into blocks, `attention_sm90` is the Hopper kernel.
+explicit attention masks into blocks, `attention_sm90` is the Hopper kernel,
+`launch` holds the autotuning switch and the replay of repeated calls' launches.
 A kernel that cannot serve a call raises `Unsupported`; `impl="auto"` then
 falls back to stock SDPA (dma_compile.ops.run).
 """
