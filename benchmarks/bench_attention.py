@@ -181,7 +181,8 @@ def run_shapes(shapes, names, sdpa_names, device):
         try:
             fn()
             if method in DMA_POLICIES:
-                config = str(tuned_config())
+                config = str(tuned_config(
+                    torch.cuda.get_device_capability(device)[0], d, policy.tile, policy.pv == "fp8"))
             ms = bench(fn)
         except RuntimeError as e:  # an SDPA backend that does not take this shape
             print(f"{method} {shape}: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -1,8 +1,9 @@
 """`warmup`: call the DMA op once per attention shape before the real work.
 
 On a GPU the first call at a new shape compiles the Triton kernels for it
-(and autotunes where that is on): seconds that otherwise land on the first
-request. `warmup` pays them ahead, for the shapes of a transformers model or
+or loads them from Triton's cache (and autotunes where that is on), and
+records the launches that later calls of that shape replay
+(`kernels.launch`): time that otherwise lands on the first request. `warmup` pays them ahead, for the shapes of a transformers model or
 for shapes given explicitly. Off CUDA there is nothing to compile; it checks
 each shape and policy against the op on meta tensors instead, so bad shapes
 fail here with the op's ValueError.

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from dma_compile.kernels import Unsupported
 from dma_compile.kernels.limits import LIMITS
+from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -414,7 +415,7 @@ def _launch_arguments(q, k, v_op, v_strides, v_scales, out, mask, mask_strides, 
     hq, lq, d = q.shape[1], q.shape[2], q.shape[3]
     hk, lk = k.shape[1], k.shape[2]
     tile = policy.tile
-    n_q_tiles, n_k_tiles = triton.cdiv(lq, tile), triton.cdiv(lk, tile)
+    n_q_tiles, n_k_tiles = cdiv(lq, tile), cdiv(lk, tile)
     args = {}
     for suffix, ops in (("H", ops_hi), ("L", ops_lo)):
         s = suffix.lower()
@@ -492,7 +493,7 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
     args, constexprs = _launch_arguments(
         q, k, v_op, v_strides, v_scales, out, mask, mask_strides, summary, summary_strides, mask_kind,
         ops[policy.hi], ops[policy.lo], is_causal, scale, policy, block_m, block_n, key_keep, key_limit)
-    grid = (triton.cdiv(lq, block_m), b * hq)
+    grid = (cdiv(lq, block_m), b * hq)
     _dma_attention_sm100_kernel[grid](**args, **constexprs, num_warps=_num_warps(block_m), num_stages=2)
     return out
 

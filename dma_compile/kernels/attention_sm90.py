@@ -26,8 +26,8 @@ hold; keys past Lk read as zeros); Q, the scales and masks as pointers.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dma_compile.kernels import Unsupported
+from dma_compile.kernels import Unsupported, launch
 from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key_arguments
 from dma_compile.kernels.numerics import (
@@ -67,9 +67,6 @@ from dma_compile.kernels.schedule import (
 from dma_compile.policy import AttentionPolicy
 
 LOG2E = 1.4426950408889634
-# Autotuning compiles and times every config once per shape bucket;
-# DMA_AUTOTUNE=0 takes each head_dim's first config instead.
-AUTOTUNE = os.environ.get("DMA_AUTOTUNE", "1") != "0"
 
 KIND_16BIT = 0  # "none" and exact MX: bf16/fp16 tensor cores
 KIND_FP8 = 1  # folded MX: e4m3 tensor cores, per-row and per-column powers of two
@@ -279,10 +276,9 @@ def _config(bm, bn, warps, stages):
                          pre_hook=_set_block_shapes)
 
 
-# Per head_dim (the larger of D and Dv), best first, from the H200 sweeps in
-# BENCHMARKS.md: at D 128 one warpgroup over 128 query rows with two stages
-# won for every policy at 16k tokens; at D 64 the winner varies by policy.
-# (32, 32) serves 32-token tiles.
+# The autotuning candidates per head_dim (the larger of D and Dv), from the
+# H200 sweeps in BENCHMARKS.md; (32, 32) serves 32-token tiles. Autotuning
+# (launch.AUTOTUNE) times those that divide the policy's tile.
 _CONFIGS = {
     64: [_config(128, 128, 4, 3), _config(128, 64, 4, 3), _config(64, 64, 4, 3), _config(128, 128, 8, 3)],
     128: [_config(128, 64, 4, 2), _config(128, 64, 4, 3), _config(128, 128, 8, 3), _config(64, 64, 4, 3)],
@@ -290,18 +286,53 @@ _CONFIGS = {
 }
 _SMALL_TILE = [_config(32, 32, 4, 3)]
 
+# The configuration a call runs without autotuning, as (BLOCK_M, BLOCK_N,
+# warps, stages), by (compute capability major, head_dim bucket of
+# `_CONFIGS`, P·V in FP8): the autotuned winner of most policies in the H200
+# run of BENCHMARKS.md ("Hopper (H200): every policy at the target shapes",
+# benchmarks/results/h200_attention_quick.json, which
+# tests/test_kernels_sm90_rules.py checks the table against). At D 128 one
+# warpgroup over 128 query rows and 64 keys won for every policy, the stage
+# count varying with P·V's format; at D 64 the block shape varies with it.
+# Unmeasured cases (D 256, other GPUs) take the first candidate, as do tiles
+# the rule's blocks do not divide.
+_RULES = {
+    (9, 64, False): (64, 64, 4, 3),
+    (9, 64, True): (128, 128, 4, 3),
+    (9, 128, False): (128, 64, 4, 2),
+    (9, 128, True): (128, 64, 4, 3),
+}
+
+
+def config_key(config: triton.Config) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of a configuration."""
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def _bucket(head_dim: int) -> int:
+    return max(64, head_dim)
+
 
 def _configs_for(head_dim: int, tile: int) -> list[triton.Config]:
-    configs = _CONFIGS[max(64, head_dim)]
-    fitting = [c for c in configs if tile % c.kwargs["BLOCK_M"] == 0 and tile % c.kwargs["BLOCK_N"] == 0]
+    fitting = [c for c in _CONFIGS[_bucket(head_dim)]
+               if tile % c.kwargs["BLOCK_M"] == 0 and tile % c.kwargs["BLOCK_N"] == 0]
     return fitting or _SMALL_TILE
+
+
+@functools.lru_cache(maxsize=None)
+def config_for(capability_major: int, head_dim: int, tile: int, pv_fp8: bool) -> triton.Config:
+    """The block configuration of a call without autotuning (`_RULES`): an
+    autotuning candidate that divides the tile. head_dim: the larger of D and Dv."""
+    candidates = _configs_for(head_dim, tile)
+    wanted = _RULES.get((capability_major, _bucket(head_dim), pv_fp8))
+    return next((c for c in candidates if config_key(c) == wanted), candidates[0])
 
 
 def _prune(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     wanted = _configs_for(max(args["HEAD_DIM"], args["HEAD_DIM_V"]), args["TILE"])
-    keys = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in wanted}
-    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in keys]
+    keys = {config_key(c) for c in wanted}
+    return [c for c in configs if config_key(c) in keys]
 
 
 _ALL_CONFIGS = [c for cs in _CONFIGS.values() for c in cs] + _SMALL_TILE
@@ -313,10 +344,13 @@ _dma_attention_tuned = triton.autotune(
 )(_dma_attention_kernel)
 
 
-def tuned_config() -> triton.Config | None:
-    """The block configuration autotuning chose for the latest autotuned
-    launch (None before one): the public hook benchmarks report it through."""
-    return getattr(_dma_attention_tuned, "best_config", None)
+def tuned_config(capability_major: int, head_dim: int, tile: int, pv_fp8: bool) -> triton.Config | None:
+    """The block configuration the latest call of this kind ran: autotuning's
+    choice with DMA_COMPILE_AUTOTUNE=1 (None before one), else the rule's.
+    The public hook benchmarks report it through."""
+    if launch.AUTOTUNE:
+        return getattr(_dma_attention_tuned, "best_config", None)
+    return config_for(capability_major, head_dim, tile, pv_fp8)
 
 # Block sizes under the interpreter: small, and smaller than the tests' 32-token tile.
 _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
@@ -333,8 +367,13 @@ def _check(q, v, scale, policy: AttentionPolicy) -> None:
         )
     LIMITS["sm90"].check(q, v, scale)
     uses_fp8 = policy.pv == "fp8" or any(_kind(f, policy) == KIND_FP8 for f in policy.formats)
-    if q.device.type == "cuda" and uses_fp8 and torch.cuda.get_device_capability(q.device) < (8, 9):
+    if q.device.type == "cuda" and uses_fp8 and _capability(q.device) < (8, 9):
         raise Unsupported("fp8 tensor cores (folded MX or pv='fp8') need compute capability 8.9 or newer")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @dataclass
@@ -389,7 +428,9 @@ def _copyable(x: torch.Tensor) -> torch.Tensor:
     strides_ok = all(s > 0 and (s * size) % 16 == 0 for n, s in zip(x.shape[:-1], x.stride()[:-1]) if n > 1)
     if x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and strides_ok:
         return x
-    return x.contiguous()
+    launch.forbid_replay()  # the copy is not one of the recorded launches
+    # clone: contiguous() of a contiguous tensor at an unaligned address is that same tensor.
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def descriptor_geometry(x: torch.Tensor, logical_len: int | None = None) -> tuple[torch.Tensor, list, list]:
@@ -458,7 +499,7 @@ def _kernel_args(
                 SELECT_V=v_select_mode(has_keep, key_limit, lk, pv_fp8))
     args.update(
         sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk, SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
-        LQ_BUCKET=triton.next_power_of_2(lq), LK_BUCKET=triton.next_power_of_2(lk),
+        LQ_BUCKET=launch.next_power_of_2(lq), LK_BUCKET=launch.next_power_of_2(lk),
         HEAD_DIM=d, HEAD_DIM_V=dv, TILE=policy.tile,
         HI_KIND=_kind(policy.hi, policy), LO_KIND=_kind(policy.lo, policy), ONE_CLASS=policy.hi == policy.lo,
         PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), MASK_KIND=mask_kind, CELL=CELL, HW_CVT=HW_CVT,
@@ -479,17 +520,24 @@ def attention_from_quantized(
     if INTERPRET:
         args.update(_INTERPRET_META)
         _set_block_shapes(args)
-        _dma_attention_kernel[(triton.cdiv(lq, args["BLOCK_M"]), b * hq)](**args)
+        launch.launch(_dma_attention_kernel, (launch.cdiv(lq, args["BLOCK_M"]), b * hq), **args)
         return out
-    grid = lambda m: (triton.cdiv(lq, m["BLOCK_M"]), b * hq)  # noqa: E731
-    if AUTOTUNE and config is None:
-        _dma_attention_tuned[grid](**args)
-    else:
-        config = config or _configs_for(max(d, dv), policy.tile)[0]
-        args.update(config.kwargs)
-        _set_block_shapes(args)
-        _dma_attention_kernel[grid](**args, num_warps=config.num_warps, num_stages=config.num_stages)
+    if launch.AUTOTUNE and config is None:
+        grid = lambda m: (launch.cdiv(lq, m["BLOCK_M"]), b * hq)  # noqa: E731
+        launch.launch(_dma_attention_tuned, grid, **args)
+        return out
+    config = config or config_for(_capability(out.device)[0], max(d, dv), policy.tile, policy.pv == "fp8")
+    args.update(config.kwargs)
+    _set_block_shapes(args)
+    launch.launch(_dma_attention_kernel, (launch.cdiv(lq, config.kwargs["BLOCK_M"]), b * hq), **args,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
     return out
+
+
+# Call signature -> its launches as a `launch.Replay` (or _NO_REPLAY); cleared when full.
+_replays: dict = {}
+_NO_REPLAY = object()
+_MAX_REPLAYS = 512
 
 
 def attention_sm90(
@@ -498,8 +546,36 @@ def attention_sm90(
 ) -> torch.Tensor:
     """DMA attention on validated SDPA-style inputs (see ops.dma_attention).
 
-    config: run this block configuration instead of the autotuned one (tests).
+    config: run this block configuration instead of the rule's or the
+    autotuned one (tests). A call without a mask whose signature (shapes,
+    strides, 16-byte alignment, dtype, device, flags, policy) was seen before
+    replays the launches of its first call (`launch.Replay`): same kernels,
+    same arguments, without Triton's per-launch binding.
     """
+    if attn_mask is not None or config is not None or INTERPRET:
+        return _attention(q, k, v, attn_mask, is_causal, scale, policy, config)
+    key = signature(q, k, v, is_causal, scale, policy)
+    replay = _replays.get(key)
+    if replay is None:
+        with launch.recording() as rec:
+            out = _attention(q, k, v, None, is_causal, scale, policy, None)
+        if len(_replays) >= _MAX_REPLAYS:
+            _replays.clear()
+        _replays[key] = rec.replay((q, k, v), out) or _NO_REPLAY
+        return out
+    if replay is _NO_REPLAY:
+        return _attention(q, k, v, None, is_causal, scale, policy, None)
+    return replay.run((q, k, v))
+
+
+def signature(q, k, v, is_causal: bool, scale: float | None, policy: AttentionPolicy) -> tuple:
+    """What a call without a mask must share with an earlier one to replay its launches."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, is_causal, scale,
+            policy.to_string(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, launch.AUTOTUNE)
+
+
+def _attention(q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy,
+               config: triton.Config | None) -> torch.Tensor:
     b, hq, lq, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     _check(q, v, scale, policy)
@@ -549,8 +625,8 @@ def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: 
     Arguments are specialised as a launch on (1, 8, 1024, head_dim) queries
     and (1, 2, 1024, head_dim) keys and values would be; mask: None, "bool"
     or "additive" (broadcast over heads); config: the block configuration
-    (default: the first autotuning candidate for head_dim and the policy's
-    tile). Returns Triton's compiled kernel: `.asm` holds "ttgir", "ptx" and
+    (default: the one a call on that GPU runs without autotuning,
+    `config_for`). Returns Triton's compiled kernel: `.asm` holds "ttgir", "ptx" and
     "cubin". Needs TRITON_INTERPRET unset.
     """
     from dma_compile.kernels.target_compile import compile_for_target
@@ -573,7 +649,7 @@ def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: 
                      summary, summary.stride(0), 0, summary.stride(2))
     shape = (b, hq, hk, length, length, d, d)
     args = _kernel_args(qi, out, shape, mask_kind, mask_args, is_causal, 1.0 / math.sqrt(d), policy)
-    config = config or _configs_for(d, policy.tile)[0]
+    config = config or config_for(capability // 10, d, policy.tile, policy.pv == "fp8")
     args.update(config.kwargs)
     _set_block_shapes(args)
     return compile_for_target(_dma_attention_kernel, args, capability, config.num_warps, config.num_stages)

@@ -105,7 +105,7 @@ def _scores(
         db = tl.arange(0, D // 32)
         sb = tl.load(ks + pos[:, None] * stride_ks + db[None, :], mask=ok[:, None], other=127)
         top = tl.max(sb, 1)
-        rel = _pow2_wide(sb.to(tl.int32) - top.to(tl.int32)[:, None])
+        rel = pow2_wide(sb.to(tl.int32) - top.to(tl.int32)[:, None])
         rel = tl.reshape(tl.broadcast_to(rel[:, :, None], (BLOCK_N, D // 32, 16)), (BLOCK_N, D // 2))
         k_even = _operand(_e2m1_times(packed & 15, rel, HW_CVT), tl.float16, HW_CVT)
         k_odd = _operand(_e2m1_times(packed >> 4, rel, HW_CVT), tl.float16, HW_CVT)
@@ -205,16 +205,16 @@ def _decode_split_kernel(
     q = _operand(q_raw, Q.dtype.element_ty, HW_CVT)
     # q16 = q / q16_scale exactly, with the row's largest |element| in
     # [2^14, 2^15): in fp16's range, elements 2^-24 below it still exact.
-    q_amax = tl.max(tl.abs(_to_f32(q_raw, HW_CVT)), 1)
+    q_amax = tl.max(tl.abs(to_f32(q_raw, HW_CVT)), 1)
     q_exp = tl.where(q_amax > 0, tl.maximum((q_amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14, -112), 0)
-    q16_scale = _pow2_wide(q_exp)
-    q16 = _operand(_to_f32(q_raw, HW_CVT) * _pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
+    q16_scale = pow2_wide(q_exp)
+    q16 = _operand(to_f32(q_raw, HW_CVT) * pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
     if K_FMT == 3:
         dh = tl.arange(0, D // 2)
         q_even = tl.load(q_row[:, None] + 2 * dh[None, :], mask=row_ok[:, None], other=0.0)
-        q_even = _operand(_to_f32(q_even, HW_CVT) * _pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
+        q_even = _operand(to_f32(q_even, HW_CVT) * pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
         q_odd = tl.load(q_row[:, None] + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0)
-        q_odd = _operand(_to_f32(q_odd, HW_CVT) * _pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
+        q_odd = _operand(to_f32(q_odd, HW_CVT) * pow2_wide(-q_exp)[:, None], tl.float16, HW_CVT)
     else:
         q_even = q
         q_odd = q

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.numerics import HW_CVT, to_f32
 
 CELL = 16
@@ -144,7 +145,7 @@ def _classify(mask: torch.Tensor, b: int, hq: int, lq: int, lk: int) -> MaskInfo
     while m.dim() < 4:
         m = m.unsqueeze(0)
     mb, mh = m.shape[0], m.shape[1]
-    n_rows = 1 if m.shape[2] == 1 else triton.cdiv(lq, CELL)
+    n_rows = 1 if m.shape[2] == 1 else cdiv(lq, CELL)
     distinct = m.expand(mb, mh, lq, lk)
     is_bool = mask.dtype == torch.bool
     if is_bool:
@@ -152,7 +153,7 @@ def _classify(mask: torch.Tensor, b: int, hq: int, lq: int, lk: int) -> MaskInfo
     summary = torch.empty(mb, mh, n_rows, 4, dtype=torch.int32, device=mask.device)
     key_keep = torch.zeros(mb, mh, lk, dtype=torch.int32, device=mask.device)
     _classify_kernel[(n_rows, mb * mh)](
-        distinct, *distinct.stride(), summary, key_keep, mh, n_rows, lq if n_rows > 1 else 1, lk, triton.cdiv(lk, CELL),
+        distinct, *distinct.stride(), summary, key_keep, mh, n_rows, lq if n_rows > 1 else 1, lk, cdiv(lk, CELL),
         CELL=CELL, CHUNK=_CHUNK, IS_BOOL=is_bool, HW_CVT=HW_CVT, num_warps=4,
     )
     values = m.expand(b, hq, lq, lk)

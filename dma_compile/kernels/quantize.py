@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.launch import cdiv, launch, next_power_of_2
 from dma_compile.kernels.numerics import (
     FMT_CODES,
     HW_CVT,
@@ -381,7 +382,7 @@ def plan_tokens(
         none_out = torch.empty(b, h, length, d, dtype=x.dtype, device=x.device)
         operands["none"] = Operand(none_out)
     block_t = _token_block(d)
-    plan = TokenPlan(operands, None, triton.cdiv(length, block_t), b * h)
+    plan = TokenPlan(operands, None, cdiv(length, block_t), b * h)
     if not mx and not write_none:
         return plan
     while len(outs) < 2:
@@ -400,7 +401,7 @@ def plan_tokens(
 
 def _launch_tokens(plan: TokenPlan) -> None:
     if plan.args is not None:
-        _quantize_tokens_kernel[(plan.blocks_per_head, plan.heads)](**plan.args, num_warps=4)
+        launch(_quantize_tokens_kernel, (plan.blocks_per_head, plan.heads), **plan.args, num_warps=4)
 
 
 def quantize_tokens(
@@ -445,9 +446,9 @@ def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool) 
         block_l, programs = max(1, min(64, 8192 // max(d, dv))), 2048
     else:
         block_l, programs = max(1, 2048 // d), 1024
-    n_chunks = max(1, min(triton.cdiv(length, block_l), triton.cdiv(programs, b * h), 256))
-    chunk = max(block_l, triton.cdiv(triton.cdiv(length, n_chunks), block_l) * block_l)
-    return block_l, chunk, triton.cdiv(length, chunk)
+    n_chunks = max(1, min(cdiv(length, block_l), cdiv(programs, b * h), 256))
+    chunk = max(block_l, cdiv(cdiv(length, n_chunks), block_l) * block_l)
+    return block_l, chunk, cdiv(length, chunk)
 
 
 _SHARED_TOKEN_ARGS = ("X", "sx_b", "sx_h", "sx_l", "sx_d", "OUT1", "EXPS1", "SCALES1", "OUT2", "EXPS2", "SCALES2",
@@ -524,8 +525,8 @@ def kv_statistics(
     n_stats = n_chunks * b * h
     token_args, n_token_programs = _shared_token_args(alongside, k)
     some_stat = ksum if key_mean else vmax
-    _kv_stats_kernel[(n_stats + n_token_programs,)](
-        k, *k.stride(), v, *v.stride(),
+    launch(
+        _kv_stats_kernel, (n_stats + n_token_programs,), k, *k.stride(), v, *v.stride(),
         some_stat, kcnt if key_mean else some_stat, vmax if value_scale else some_stat, keep, skp_b, skp_h,
         h, length, chunk, n_chunks, n_stats,
         D=d, DV=dv, BLOCK_L=block_l, NEED_K=key_mean, NEED_V=value_scale, HAS_KEEP=has_keep, HW_CVT=HW_CVT,
@@ -535,11 +536,12 @@ def kv_statistics(
     vexp = torch.empty(b, h, dv, dtype=torch.int32, device=dev) if value_scale else None
     vscale = torch.empty(b, h, dv, dtype=torch.float32, device=dev) if value_scale else None
     some = mean if key_mean else vscale
-    _kv_stats_finalize_kernel[(b * h,)](
+    launch(
+        _kv_stats_finalize_kernel, (b * h,),
         some_stat, kcnt if key_mean else some_stat, vmax if value_scale else some_stat,
         some, vexp if value_scale else some, vscale if value_scale else some,
         n_chunks,
-        NCH=triton.next_power_of_2(n_chunks), D=d, DV=dv, NEED_K=key_mean, NEED_V=value_scale, num_warps=4,
+        NCH=next_power_of_2(n_chunks), D=d, DV=dv, NEED_K=key_mean, NEED_V=value_scale, num_warps=4,
     )
     return KVStatistics(mean, vexp, vscale)
 
@@ -554,13 +556,14 @@ def quantize_values_fp8(
     """
     b, h, length, dv = v.shape
     keep, skp_b, skp_h, has_keep = key_keep_arguments(key_keep, b, h, length, v)
-    l_pad = triton.cdiv(length, 16) * 16
+    l_pad = cdiv(length, 16) * 16
     out = torch.empty(b, h, dv, l_pad, dtype=torch.float8_e4m3fn, device=v.device)
     # Measured on an H200: 128 keys (128-byte output rows) and 4 warps at
     # D 128, 64 keys and 4 warps at D 64; D 256 keeps 64 keys and 8 warps
     # (16384 elements per program, as before; not measured).
     block_t, warps = (128, 4) if dv == 128 else ((64, 8) if dv > 128 else (64, 4))
-    _quantize_v_kernel[(triton.cdiv(length, block_t), b * h)](
+    launch(
+        _quantize_v_kernel, (cdiv(length, block_t), b * h),
         v, *v.stride(), value_exponents, out.view(torch.uint8), keep, skp_b, skp_h, h, length,
         length if key_limit is None else key_limit, l_pad,
         DV=dv, BLOCK_T=block_t, HAS_KEEP=has_keep, HW_CVT=HW_CVT, num_warps=warps,

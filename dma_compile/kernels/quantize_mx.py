@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.numerics import (
     FMT_CODES,
     HW_CVT,
@@ -178,7 +179,7 @@ def quantize_payloads(
     while len(outs) < 2:
         outs.append((x, x))
     block_t = max(8, 2048 // d)
-    _mx_payload_kernel[(triton.cdiv(length, block_t), b * h)](
+    _mx_payload_kernel[(cdiv(length, block_t), b * h)](
         x, *x.stride(),
         mean.contiguous() if mean is not None else x, none_out,
         outs[0][0], outs[0][1], outs[1][0], outs[1][1],

@@ -1,0 +1,193 @@
+"""How the Triton kernels are launched on the host: the autotuning switch,
+integer helpers, and a replay path for repeated calls.
+
+Triton's `kernel[grid](**args)` binds and specialises every argument on every
+launch (its cost grows with the kernel's argument count), and an eager DMA
+call makes four to six launches. `Recording` watches the launches of one call
+made through `launch`; when every tensor they read or write is one of the
+call's inputs, its output, or a buffer the call allocated and filled by those
+same launches, `Recording.replay` turns them into a `Replay`: one workspace
+allocation for all the buffers, and each launch straight through the kernel
+Triton compiled for the first call (`CompiledKernel[grid](*args)`, whose
+specialisation the caller's signature key fixes), with pointers as integers.
+Under Triton's interpreter nothing is compiled, so nothing is replayed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+# Opt-in: autotuning compiles and times every candidate configuration at each
+# new shape bucket (seconds); without it each kernel takes its rule's config.
+AUTOTUNE = os.environ.get("DMA_COMPILE_AUTOTUNE", "0") == "1"
+# Workspace buffers start at multiples of this (Triton specialises pointers on 16).
+_ALIGN = 256
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host integers (triton.cdiv is a constexpr function, slow to call from host code)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class _Pointer:
+    """A device address where a tensor descriptor wants its base tensor (only `data_ptr` is read)."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@dataclass
+class _Launch:
+    fn: object
+    grid: tuple
+    args: dict
+    compiled: object
+
+
+class Recording:
+    """The launches made through `launch` while this recording is active (one thread)."""
+
+    def __init__(self):
+        self.launches: list[_Launch] = []
+        self.replayable = True
+
+    def forbid_replay(self) -> None:
+        """The call did work outside the recorded launches (e.g. a torch copy): never replay it."""
+        self.replayable = False
+
+    def replay(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> "Replay | None":
+        """The recorded call as a `Replay` on new tensors shaped like `inputs`, or None
+        where it cannot be replayed."""
+        if not self.replayable or not self.launches or any(r.compiled is None for r in self.launches):
+            return None
+        storages = [x.untyped_storage().data_ptr() for x in inputs]
+        if len(set(storages)) != len(storages):
+            return None  # aliased inputs: an address could not be told apart
+        out_storage = out.untyped_storage().data_ptr()
+        buffers: dict[int, int] = {}  # storage address -> offset in the workspace
+        size = 0
+        launches = []
+        for rec in self.launches:
+            names = rec.fn.arg_names
+            if any(n not in rec.args for n in names):
+                return None
+            values = [rec.args[n] for n in names]
+            slots = []
+            for i, value in enumerate(values):
+                desc = None
+                if _is_descriptor(value):
+                    desc, value = _descriptor_at(value, None), value.base
+                if not isinstance(value, torch.Tensor):
+                    continue
+                storage = value.untyped_storage()
+                base = storage.data_ptr()
+                inner = value.data_ptr() - base
+                if base in storages:
+                    j = storages.index(base)
+                    slots.append((i, j, value.data_ptr() - inputs[j].data_ptr(), desc))
+                elif base == out_storage:
+                    slots.append((i, len(inputs) + 1, value.data_ptr() - out.data_ptr(), desc))
+                else:
+                    if base not in buffers:
+                        buffers[base] = size
+                        size += cdiv(storage.nbytes(), _ALIGN) * _ALIGN
+                    slots.append((i, len(inputs), buffers[base] + inner, desc))
+                values[i] = None  # filled per call; the template must not keep this call's tensors alive
+            # CompiledKernel[grid] reads three grid dimensions (JITFunction.run pads them).
+            grid = tuple(rec.grid) + (1,) * (3 - len(rec.grid))
+            launches.append((rec.compiled[grid], values, tuple(slots)))
+        return Replay(tuple(launches), max(size, 1), tuple(out.shape), out.dtype)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The launches of one call signature, replayed on new tensors: what `Recording.replay` builds."""
+
+    launches: tuple
+    workspace_bytes: int
+    out_shape: tuple
+    out_dtype: torch.dtype
+
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        device = inputs[0].device
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+        bases = [x.data_ptr() for x in inputs]
+        bases.append(workspace.data_ptr())
+        bases.append(out.data_ptr())
+        for runner, template, slots in self.launches:
+            args = template.copy()
+            for i, source, offset, desc in slots:
+                address = bases[source] + offset
+                args[i] = address if desc is None else _descriptor_at(desc, address)
+            runner(*args)
+        return out
+
+
+_active = threading.local()
+
+
+class recording:
+    """`with recording() as rec:` records the launches of this thread made through `launch`."""
+
+    def __enter__(self) -> Recording:
+        self.rec = Recording()
+        self.outer = getattr(_active, "rec", None)
+        _active.rec = self.rec
+        return self.rec
+
+    def __exit__(self, *exc) -> None:
+        _active.rec = self.outer
+
+
+def forbid_replay() -> None:
+    """Mark the active recording, if any, as not replayable (see `Recording.forbid_replay`)."""
+    rec = getattr(_active, "rec", None)
+    if rec is not None:
+        rec.forbid_replay()
+
+
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def launch(fn, grid: tuple, *args, **kwargs) -> None:
+    """fn[grid](*args, **kwargs), recorded where a recording is active."""
+    compiled = fn[grid](*args, **kwargs)
+    rec = getattr(_active, "rec", None)
+    if rec is not None:
+        if not isinstance(grid, tuple) or not hasattr(compiled, "__getitem__"):
+            rec.forbid_replay()  # the interpreter, or an autotuner's grid function
+            return
+        named = dict(zip(fn.arg_names, args))
+        named.update((k, v) for k, v in kwargs.items() if k not in _OPTIONS)
+        rec.launches.append(_Launch(fn, grid, named, compiled))
+
+
+def _is_descriptor(value) -> bool:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return isinstance(value, TensorDescriptor)
+
+
+def _descriptor_at(template, address: int | None):
+    """A copy of tensor descriptor `template` over the tensor at `address`
+    (None: no tensor yet), with the fields as this Triton version has them;
+    the constructor's checks passed on the recorded descriptor."""
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__)
+    desc.base = None if address is None else _Pointer(address)
+    return desc

@@ -1,0 +1,236 @@
+"""The host launch path (`dma_compile.kernels.launch`): the autotuning switch,
+and replay of a call's launches, checked without a GPU by replacing the
+Triton kernels with fakes that record what each launch is given.
+
+A replayed call must hand every kernel what Triton's own launch of the same
+call would: the same scalars and compile-time constants, pointers into the
+same inputs and output, and one distinct workspace range for each buffer the
+call allocates. The GPU tests in test_kernels_sm90.py check the numbers.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+from dma_compile.policy import AttentionPolicy
+
+HOPPER = AttentionPolicy.hopper().replace(tile=32)
+POLICIES = {
+    "hopper": HOPPER,
+    "hopper_fp8pv": HOPPER.replace(pv="fp8"),
+    "paper_exact": AttentionPolicy.paper().replace(tile=32),
+    "all_mxfp8_unsmoothed": HOPPER.replace(hi="mxfp8_e4m3", smooth_k=False),
+    "none": HOPPER.replace(hi="none", lo="none"),
+}
+
+
+class FakeCompiled:
+    def __init__(self, fn, log):
+        self.fn, self.log = fn, log
+
+    def __getitem__(self, grid):
+        assert len(grid) == 3, "CompiledKernel[grid] reads grid[0], grid[1] and grid[2]"
+        return lambda *args: self.log.append(("replay", self.fn, grid, list(args)))
+
+
+class FakeKernel:
+    """Stands for a @triton.jit kernel: records each launch by argument name
+    and returns a fake compiled kernel, as JITFunction.run returns its CompiledKernel."""
+
+    def __init__(self, fn, log):
+        self.fn, self.log, self.arg_names = fn, log, fn.arg_names
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            named = dict(zip(self.arg_names, args))
+            named.update((k, v) for k, v in kwargs.items() if k not in ("num_warps", "num_stages"))
+            self.log.append(("triton", self.fn, grid, [named[n] for n in self.arg_names]))
+            return FakeCompiled(self.fn, self.log)
+        return run
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """The sm90 path as on a GPU (rule configs, replay), every kernel a FakeKernel; yields the launch log."""
+    from dma_compile.kernels import attention_sm90, quantize
+
+    log = []
+    for module, name in [(quantize, "_quantize_tokens_kernel"), (quantize, "_kv_stats_kernel"),
+                         (quantize, "_kv_stats_finalize_kernel"), (quantize, "_quantize_v_kernel"),
+                         (attention_sm90, "_dma_attention_kernel")]:
+        monkeypatch.setattr(module, name, FakeKernel(getattr(module, name), log))
+    monkeypatch.setattr(attention_sm90, "INTERPRET", False)
+    monkeypatch.setattr(attention_sm90, "_check", lambda *args: None)
+    monkeypatch.setattr(attention_sm90, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(attention_sm90, "_replays", {})
+    yield log
+
+
+def inputs(b=1, hq=4, hkv=2, lq=70, lk=70, d=64, offset=0):
+    def make(h, length):
+        # `offset` elements in: a base address that is not 16-byte aligned.
+        return torch.randn(b * h * length * d + offset, dtype=torch.bfloat16)[offset:].view(b, h, length, d)
+    return make(hq, lq), make(hkv, lk), make(hkv, lk)
+
+
+def pointer_and_extent(arg):
+    """A tensor argument's address and the bytes from there to its storage's end."""
+    return arg.data_ptr(), arg.untyped_storage().nbytes() - arg.storage_offset() * arg.element_size()
+
+
+def check_replay_matches_triton(triton_launches, replay_launches, translate: dict[int, int]):
+    """Per launch: same kernel and grid; equal scalars and descriptor fields;
+    pointers into the inputs and output at their addresses in the replayed
+    call (`translate`: address in the Triton call -> in the replayed one),
+    and the call's own buffers mapped one to one onto disjoint workspace ranges."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    assert [entry[1] for entry in replay_launches] == [entry[1] for entry in triton_launches]
+    mapping, extents = {}, {}
+
+    def check_pointer(fn, name, slow: torch.Tensor, fast):
+        assert type(fast) is int, (fn, name)
+        address, extent = pointer_and_extent(slow)
+        if address in translate:
+            assert fast == translate[address], (fn, name)
+            return
+        assert fast not in translate.values(), (fn, name)
+        assert mapping.setdefault(address, fast) == fast, (fn, name)
+        extents[fast] = max(extents.get(fast, 0), extent)
+
+    for (_, fn, grid, slow_args), (_, _, fast_grid, fast_args) in zip(triton_launches, replay_launches):
+        assert fast_grid == tuple(grid) + (1,) * (3 - len(grid)), fn
+        assert len(fast_args) == len(slow_args) == len(fn.arg_names)
+        for name, slow, fast in zip(fn.arg_names, slow_args, fast_args):
+            if isinstance(slow, TensorDescriptor):
+                assert isinstance(fast, TensorDescriptor), (fn, name)
+                for field in ("shape", "strides", "block_shape", "padding"):
+                    assert list(getattr(fast, field)) == list(getattr(slow, field)) if field != "padding" \
+                        else fast.padding == slow.padding, (fn, name, field)
+                check_pointer(fn, name, slow.base, fast.base.data_ptr())
+            elif isinstance(slow, torch.Tensor):
+                check_pointer(fn, name, slow, fast)
+            else:
+                assert fast == slow and type(fast) is type(slow), (fn, name)
+    assert len(set(mapping.values())) == len(mapping), "two buffers share a workspace address"
+    ranges = sorted((start, start + size) for start, size in extents.items())
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(ranges, ranges[1:])), "workspace ranges overlap"
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("causal", [True, False])
+def test_replay_passes_what_a_triton_launch_of_the_same_call_would(fake_kernels, name, causal, seed):
+    from dma_compile.kernels import attention_sm90
+
+    policy, log = POLICIES[name], fake_kernels
+    first = inputs()
+    attention_sm90.attention_sm90(*first, None, causal, None, policy)
+    recorded = [entry for entry in log if entry[0] == "triton"]
+    assert recorded and len(recorded) == len(log), "the first call of a signature goes through Triton"
+
+    q, k, v = inputs()
+    log.clear()
+    out = attention_sm90.attention_sm90(q, k, v, None, causal, None, policy)
+    replayed = list(log)
+    assert replayed and all(entry[0] == "replay" for entry in replayed)
+    assert out.shape == (1, 4, 70, 64) and out.dtype == q.dtype
+
+    # The same call through Triton's launch path, for comparison.
+    log.clear()
+    triton_out = attention_sm90._attention(q, k, v, None, causal, None, policy, None)
+    translate = {x.data_ptr(): x.data_ptr() for x in (q, k, v)}
+    translate[triton_out.data_ptr()] = out.data_ptr()
+    check_replay_matches_triton(list(log), replayed, translate)
+
+
+def test_replay_needs_the_same_signature(fake_kernels):
+    from dma_compile.kernels import attention_sm90
+
+    log = fake_kernels
+    attention_sm90.attention_sm90(*inputs(), None, True, None, HOPPER)
+    for changed in [inputs(lq=71, lk=71), inputs(hq=2), inputs(d=128)]:
+        log.clear()
+        attention_sm90.attention_sm90(*changed, None, True, None, HOPPER)
+        assert log and all(entry[0] == "triton" for entry in log)
+    for policy, causal in [(HOPPER.replace(diag_tiles=2), True), (HOPPER, False)]:
+        log.clear()
+        attention_sm90.attention_sm90(*inputs(), None, causal, None, policy)
+        assert log and all(entry[0] == "triton" for entry in log)
+
+
+def test_unaligned_inputs_are_copied_and_never_replayed(fake_kernels):
+    """K at an address a tensor descriptor cannot take is copied by torch, which a replay would skip."""
+    from dma_compile.kernels import attention_sm90
+
+    log = fake_kernels
+    for _ in range(3):
+        log.clear()
+        attention_sm90.attention_sm90(*inputs(offset=1), None, True, None, HOPPER)
+        assert log and all(entry[0] == "triton" for entry in log)
+
+
+def test_masked_calls_are_not_replayed(fake_kernels, monkeypatch):
+    from dma_compile.kernels import attention_sm90
+
+    log = fake_kernels
+    monkeypatch.setattr(attention_sm90, "_attention", lambda *args: log.append(("direct",)) or args[0])
+    mask = torch.ones(70, 70, dtype=torch.bool).tril()
+    for _ in range(2):
+        attention_sm90.attention_sm90(*inputs(), mask, False, None, HOPPER)
+    assert log == [("direct",)] * 2
+
+
+def test_aliased_inputs_are_not_replayed(fake_kernels):
+    from dma_compile.kernels import attention_sm90
+
+    log = fake_kernels
+    q, k, _ = inputs()
+    for _ in range(2):
+        log.clear()
+        attention_sm90.attention_sm90(q, k, k, None, True, None, HOPPER)
+        assert log and all(entry[0] == "triton" for entry in log)
+
+
+def test_the_default_path_does_not_autotune(fake_kernels, monkeypatch):
+    from dma_compile.kernels import attention_sm90, launch
+
+    class Spy:
+        calls = 0
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                Spy.calls += 1
+            return run
+
+    monkeypatch.setattr(attention_sm90, "_dma_attention_tuned", Spy())
+    attention_sm90.attention_sm90(*inputs(), None, True, None, HOPPER)
+    assert Spy.calls == 0
+    assert any(entry[1] is attention_sm90._dma_attention_kernel.fn for entry in fake_kernels)
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    for _ in range(2):
+        attention_sm90.attention_sm90(*inputs(), None, True, None, HOPPER)
+    assert Spy.calls == 2, "with autotuning on, every call goes through the autotuner (never replayed)"
+
+
+def test_autotuning_is_opt_in_through_the_environment():
+    code = "from dma_compile.kernels import launch; print(launch.AUTOTUNE)"
+    for value, expected in [(None, "False"), ("0", "False"), ("1", "True")]:
+        env = {k: v for k, v in os.environ.items() if k != "DMA_COMPILE_AUTOTUNE"}
+        if value is not None:
+            env["DMA_COMPILE_AUTOTUNE"] = value
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert result.stdout.strip() == expected, (value, result.stderr)
+
+
+def test_integer_helpers_match_triton():
+    from dma_compile.kernels.launch import cdiv, next_power_of_2
+
+    values = [1, 2, 3, 15, 16, 17, 1000, 1024, 1025, 65535, 2**31 + 5, *torch.randint(1, 10**6, (50,)).tolist()]
+    for a in values:
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 7, 16, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
