@@ -31,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dma_compile.ops import INPUT_DTYPES, check_impl  # also registers torch.ops.dma.attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
+from dma_compile.rotation import is_power_of_two
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +269,8 @@ def unsupported_reason(args: dict, policy: AttentionPolicy) -> str | None:
         return f"head_dim {max(head_dim, v_head_dim)} > {MAX_HEAD_DIM}"
     if policy.uses_mx and head_dim % MX_BLOCK:
         return f"head_dim {head_dim} is not a multiple of {MX_BLOCK} (the policy uses MX formats)"
+    if policy.uses_mx and policy.rotate != "none" and not is_power_of_two(head_dim):
+        return f"head_dim {head_dim} is not a power of two (the policy rotates Q and K: rotate={policy.rotate})"
     if not (_same(k.shape[0], q.shape[0]) and _same(v.shape[0], q.shape[0])):
         return "batch sizes of query/key/value differ (SDPA broadcasting)"
     # A KV cache's keys and values carry two length symbols that no guard ties
