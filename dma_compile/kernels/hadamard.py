@@ -4,12 +4,12 @@
 same float32 operations and order as `rotation.rotate` (signs, log2(D)
 butterfly stages, one multiply by 1 / sqrt(D)), so it gives the same bits;
 the quantization passes (quantize.py, quantize_mx.py) call it between K
-smoothing and MX quantization. Each stage is the constant-geometry form of
-the butterfly: split the vector into adjacent pairs (a, b), and write
-a + b to the first half and a - b to the second; after log2(D) stages every
-pair distance has been combined, in the order 1, 2, 4, ..., and the result is
-in natural (Sylvester) order. That makes every stage the same reshape, split,
-join and transpose, with no shapes that depend on the stage.
+smoothing and MX quantization. Stage s views each row as (D / 2s, 2, s),
+brings the pair axis last (a free transpose of the layout), splits it into
+(a, b) and joins (a + b, a - b) back in place. Stages whose pairs lie in one
+thread's registers stay there; the compiler moves data between threads only
+for the wider ones (compiled for sm_90: no spills; the share of the pass it
+costs is measured by benchmarks/bench_attention.py --rotate).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def _butterfly(x, D: tl.constexpr):
     T: tl.constexpr = x.shape[0]
     for stage in tl.static_range(16):
         if (1 << stage) < D:
-            a, b = tl.split(tl.reshape(x, [T, D // 2, 2]))
-            x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [T, D])
+            pairs = tl.reshape(x, [T, D // (2 << stage), 2, 1 << stage])
+            a, b = tl.split(tl.permute(pairs, [0, 1, 3, 2]))
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [T, D])
     return x
 
 
