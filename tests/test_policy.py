@@ -207,3 +207,12 @@ def test_rotates_cache_only_when_k_is_quantized():
     assert not AttentionPolicy(rotate="hadamard").rotates_cache
     assert AttentionPolicy(rotate="hadamard", cache_k="mxfp4_e2m1").rotates_cache
     assert not AttentionPolicy(cache_k="mxfp4_e2m1").rotates_cache
+
+
+def test_rotated_presets():
+    assert AttentionPolicy.preset("paper_rotated") == AttentionPolicy(rotate="signed_hadamard")
+    rotated = AttentionPolicy.from_string("all_mxfp4_rotated")
+    assert rotated == AttentionPolicy.preset("all_mxfp4").replace(rotate="signed_hadamard")
+    # The unrotated presets and the device defaults stay as they were.
+    assert all(AttentionPolicy.preset(n).rotate == "none" for n in ("paper", "hopper", "all_mxfp8", "all_mxfp4"))
+    assert default_policy("cpu").rotate == "none"
