@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     _, heldout = split_heldout(tokenize(tokenizer, text))
     heldout = heldout[args.skip_windows * args.window_len :]
     windows = take_windows(heldout, args.windows, args.window_len, spread=False)
-    print(f"{windows.shape[0]} x {windows.shape[1]} held-out tokens after {args.skip_windows} windows, model {assets.model_dir}, "
-          f"torch {torch.__version__}, device {next(model.parameters()).device}", flush=True)
+    print(f"{windows.shape[0]} x {windows.shape[1]} held-out tokens after {args.skip_windows} windows, "
+          f"model {assets.model_dir}, torch {torch.__version__}, device {next(model.parameters()).device}", flush=True)
 
     start = time.time()
     with running_policy(model, None):

@@ -16,7 +16,7 @@ import torch
 from dma_compile import cache_formats
 from dma_compile.formats import E4M3, fake_quantize, rceil_exponent, round_to_element
 from dma_compile.policy import AttentionPolicy
-from dma_compile.rotation import rotate, unrotate
+from dma_compile.rotation import rotate
 
 # P is multiplied by 2^8 before its e4m3 cast so that it uses e4m3's normal
 # range ([2^-6, 448]) instead of flushing small probabilities to zero.
