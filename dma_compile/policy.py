@@ -4,9 +4,10 @@
 sink and diagonal tiles run in the high format, the high and low formats, the
 P·V precision and the MX details (with `rotate`, the Hadamard rotation of Q
 and K before MX quantization, dma_compile.rotation), and how the KV cache
-stores each token at decode time (`cache_k`, `cache_v`, `recent_tokens`). Its compact string form is what travels as
-the custom op's argument, so compiled-graph caches see it. `ModelPolicy` maps
-layer indices to policies and is saved as JSON by calibration.
+stores each token at decode time (`cache_k`, `cache_v`, `recent_tokens`).
+Its compact string form is what travels as the custom op's argument, so
+compiled-graph caches see it. `ModelPolicy` maps layer indices to policies
+and is saved as JSON by calibration.
 """
 
 from __future__ import annotations
