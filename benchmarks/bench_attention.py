@@ -6,9 +6,12 @@ same inputs in the same run with `triton.testing.do_bench` (median). DMA times
 include the quantization pass. TFLOPS count 4*B*H*Lq*Lk*D (half of it when
 causal). Prints a table, writes JSON and a PNG plot of TFLOPS against
 sequence length; `--breakdown` also times the quantization pass and the
-attention kernel alone.
+attention kernel alone, with `--rotate` for each rotation of Q and K
+(`AttentionPolicy.rotate`), and the pass's time against the unrotated one.
 
     python benchmarks/bench_attention.py --quick
+    python benchmarks/bench_attention.py --seq-lens 16384 --head-dims 128 --causal yes --breakdown \
+        --methods dma_paper_folded dma_exact dma_hopper sdpa --rotate none hadamard signed_hadamard
     python benchmarks/bench_attention.py --seq-lens 1024 4096 16384 --head-dims 128 --causal yes
 """
 
@@ -29,6 +32,7 @@ from tqdm import tqdm
 
 from dma_compile import AttentionPolicy, dma_attention
 from dma_compile.reference import dma_attention_reference
+from dma_compile.rotation import ROTATIONS
 
 PAPER_FOLDED = AttentionPolicy(mx_mode="folded")
 DMA_POLICIES = {
@@ -74,13 +78,13 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def check(modes, names, device):
-    """Each DMA policy against the reference (error bound of tests/test_kernels_sm90.py)."""
+def check(modes, names, device, rotations=("none",)):
+    """Each DMA policy (with each rotation) against the reference (error bound of tests/test_kernels_sm90.py)."""
     rows = []
     for d, causal in modes:
         q, k, v = (torch.randn(1, 4, 1024, d, device=device, dtype=torch.bfloat16) for _ in range(3))
-        for name in names:
-            policy = DMA_POLICIES[name]
+        for name, rot in ((n, r) for n in names for r in rotations if r == "none" or DMA_POLICIES[n].uses_mx):
+            policy = DMA_POLICIES[name].replace(rotate=rot)
             out = dma_attention(q, k, v, is_causal=causal, policy=policy, impl="sm90")
             # On the CPU: formats' rceil rule was seen to misjudge ties on CUDA.
             ref = dma_attention_reference(q.cpu(), k.cpu(), v.cpu(), None, causal, None, policy).to(device)
@@ -89,7 +93,7 @@ def check(modes, names, device):
             bound = 2.0**-7 * ref.float().abs() + p_round * v.float().abs().max() + 1e-5
             rms = (diff.pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()).item()
             ok = bool((diff <= bound).all()) and (policy.pv != "fp8" or rms <= 2.0**-5)
-            rows.append({"D": d, "causal": causal, "method": name, "max_abs_err": diff.max().item(),
+            rows.append({"D": d, "causal": causal, "method": name, "rotate": rot, "max_abs_err": diff.max().item(),
                          "rel_rms_err": rms, "ok": ok})
     return rows
 
@@ -133,7 +137,7 @@ def quant_bytes(q, k, v, qi):
     return read + written
 
 
-def breakdown(shape, names, device):
+def breakdown(shape, names, device, rotations=("none",)):
     from dma_compile.kernels.attention_sm90 import attention_from_quantized, quantize_inputs
     from dma_compile.timing import cuda_time_ms
 
@@ -142,8 +146,13 @@ def breakdown(shape, names, device):
     scale = 1.0 / math.sqrt(d)
     dims = (b, h, h, s, s, d, d)
     rows = []
-    policies = [(n, DMA_POLICIES[n]) for n in names] + [("plain_bf16_kernel", PLAIN)]
-    for name, policy in policies:
+    # Unrotated first: the rotated rows are compared with it.
+    rotations = sorted(set(rotations), key=lambda r: (r != "none", r))
+    policies = [(n if rot == "none" else f"{n} rot={rot}", DMA_POLICIES[n].replace(rotate=rot), n)
+                for n in names for rot in rotations if rot == "none" or DMA_POLICIES[n].uses_mx]
+    policies.append(("plain_bf16_kernel", PLAIN, "plain_bf16_kernel"))
+    unrotated = {}
+    for name, policy, base in policies:
         qi = quantize_inputs(q, k, v, policy)
         # GPU time by CUDA graph replay: the pass's launches take longer on the host than on the GPU.
         t_quant = cuda_time_ms(lambda: quantize_inputs(q, k, v, policy), repeats=50)
@@ -156,6 +165,11 @@ def breakdown(shape, names, device):
             "kernel_TFLOPS": flops(b, h, s, d, causal) / (t_kernel * 1e-3) / 1e12,
             "full_TFLOPS": flops(b, h, s, d, causal) / (t_full * 1e-3) / 1e12,
         })
+        if policy.rotate == "none":
+            unrotated[base] = t_quant
+        elif base in unrotated:
+            # The rotation's share: its added time over the unrotated pass.
+            rows[-1]["quant_vs_unrotated"] = t_quant / unrotated[base] - 1
         tqdm.write(str(rows[-1]))
     return rows
 
@@ -249,6 +263,8 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+", choices=list(DMA_POLICIES) + list(SDPA_BACKENDS),
                         default=list(DMA_POLICIES) + list(SDPA_BACKENDS))
     parser.add_argument("--breakdown", action="store_true", help="also time the quantization pass and the kernel alone")
+    parser.add_argument("--rotate", nargs="+", choices=list(ROTATIONS), default=["none"],
+                        help="--breakdown: time the quantization pass with each rotation of Q and K")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness check")
     parser.add_argument("--out-dir", default="dma-out/bench")
     args = parser.parse_args(argv)
@@ -269,7 +285,7 @@ def main(argv=None):
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
     }
     if not args.no_check:
-        report["check"] = check(sorted({(s[3], s[4]) for s in shapes}), names, device)
+        report["check"] = check(sorted({(s[3], s[4]) for s in shapes}), names, device, args.rotate)
         report["fp8_cast"] = fp8_cast_check(device)
         print("hardware float32 -> e4m3 cast vs nearest-even:", report["fp8_cast"])
         print(tabulate(report["check"], headers="keys", floatfmt=".3g"))
@@ -281,7 +297,7 @@ def main(argv=None):
     print(f"{report['device']}  torch {report['torch']}  triton {report['triton']}  {report['date']}")
     print(table(report["results"], sdpa_names))
     if args.breakdown or args.quick:
-        report["breakdown"] = [r for shape in shapes for r in breakdown(shape, names, device)]
+        report["breakdown"] = [r for shape in shapes for r in breakdown(shape, names, device, args.rotate)]
         save(report, args.out_dir)
         print(tabulate(report["breakdown"], headers="keys", floatfmt=".3f"))
 

@@ -12,6 +12,12 @@ there is no separate input-dtype part.
 Appending quantizes through `torch.ops.dma.encode_cache_tokens` (formats.py's
 rounding: the Triton quantization passes on CUDA). Sequences may have
 different lengths: `append(..., num_tokens=)`.
+
+A policy that rotates and quantizes K (`AttentionPolicy.rotates_cache`)
+stores every key rotated (`ops_decode.rotate_tokens`, rounded to the input
+dtype, its input-dtype copy too) and rotates each query once in `attend`:
+scores are unchanged and the decode kernel needs nothing new. `values()`
+returns K in the model's basis.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from dma_compile import cache_formats
-from dma_compile.ops_decode import decode_attention, encode_cache_tokens
+from dma_compile.ops_decode import decode_attention, encode_cache_tokens, rotate_tokens
 from dma_compile.policy import AttentionPolicy, as_policy
+from dma_compile.rotation import check_head_dim, unrotate
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -52,6 +59,8 @@ class QuantizedKV:
         self.policy = as_policy(policy) if policy is not None else AttentionPolicy()
         self.batch, self.kv_heads = _positive_int("batch", batch), _positive_int("kv_heads", kv_heads)
         self.head_dim, self.capacity = _positive_int("head_dim", head_dim), _positive_int("capacity", capacity)
+        self.rotate = self.policy.rotate if self.policy.rotates_cache else "none"
+        check_head_dim(head_dim, self.rotate, "head_dim")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
         # "cuda" and "cuda:0" must compare equal to the tensors appended later.
@@ -106,6 +115,7 @@ class QuantizedKV:
         if k.shape != v.shape:
             raise ValueError(f"v: shape must match k's {tuple(k.shape)}, got {tuple(v.shape)}")
         t = k.shape[2]
+        k = rotate_tokens(k, self.rotate, impl)
         step = torch.arange(t, device=self.device)
         if num_tokens is None and (self.hi_k is None or t <= self.recent):
             count = None
@@ -154,17 +164,21 @@ class QuantizedKV:
                 getattr(self, name)[:, :, :n] = x[:, :, :n]
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as the cache holds them, float32 (batch, kv_heads, max_length, head_dim)."""
+        """K and V as the cache holds them, float32 (batch, kv_heads, max_length,
+        head_dim); K rotated back to the model's basis when the cache rotates."""
         common = (self.lengths, self.max_length, self.sink, self.recent)
         k = cache_formats.stored_values(self.k_payload, self.k_scales, self.hi_k, *common, self.policy.cache_k)
         v = cache_formats.stored_values(self.v_payload, self.v_scales, self.hi_v, *common, self.policy.cache_v)
-        return k, v
+        return unrotate(k, self.rotate), v
 
     def attend(self, q: torch.Tensor, scale: float | None = None, impl: str = "auto") -> torch.Tensor:
         """Attention of q (batch, heads, T, head_dim), the T tokens appended last,
-        over the cache, through `torch.ops.dma.decode_attention`."""
+        over the cache, through `torch.ops.dma.decode_attention` (q rotated
+        first when the cache rotates)."""
         if isinstance(q, torch.Tensor) and q.dim() == 4 and self.max_length < q.shape[2]:
             raise ValueError(f"q: {q.shape[2]} query tokens but the cache holds at most {self.max_length}")
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] == self.head_dim:
+            q = rotate_tokens(q, self.rotate, impl)
         return decode_attention(
             q, self.k_payload, self.k_scales, self.v_payload, self.v_scales, self.hi_k, self.hi_v,
             self.lengths, self.max_length, self.sink, self.recent, self.policy, scale, impl,

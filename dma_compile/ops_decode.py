@@ -1,6 +1,8 @@
 """The KV-cache custom ops: `dma::decode_attention` and `dma::encode_cache_tokens`.
 
-The second door to the kernels (beside `dma::attention` in ops.py).
+The second door to the kernels (beside `dma::attention` in ops.py), with
+`dma::rotate_tokens`, the rotation a rotating policy applies to the keys it
+stores and to each decode step's query (dma_compile.rotation).
 `decode_attention` takes the tensors of a `dma_compile.kv_cache.QuantizedKV`
 and picks the split-K decode kernel on CUDA, the reference
 (cache_formats.stored_values, then reference.decode_attention_math) on the
@@ -24,6 +26,7 @@ from dma_compile.cache_formats import encode, stored_values
 from dma_compile.formats import E8M0_BIAS, E8M0_NAN
 from dma_compile.policy import AttentionPolicy
 from dma_compile.reference import decode_attention_math
+from dma_compile.rotation import ROTATIONS, check_head_dim, rotate
 
 logger = logging.getLogger(__name__)
 
@@ -184,3 +187,35 @@ def encode_cache_tokens(x: torch.Tensor, fmt: str, scale_rule: str = "rceil", im
     if impl != "reference" and (d % 32 or d & (d - 1)):
         impl = "reference"  # the Triton passes take power-of-two head dims
     return torch.ops.dma.encode_cache_tokens(x.contiguous(), fmt, scale_rule, impl)
+
+
+@torch.library.custom_op("dma::rotate_tokens", mutates_args=())
+def rotate_tokens_op(x: torch.Tensor, kind: str, impl: str) -> torch.Tensor:
+    """Tokens x (..., D) rotated, in x's dtype; see `rotate_tokens`."""
+    if impl == "auto":
+        impl = "triton" if x.device.type == "cuda" else "reference"
+    if impl == "reference":
+        return rotate(x, kind).to(x.dtype)
+    from dma_compile.kernels.rotate import rotate_tokens as kernel
+
+    return kernel(x, kind)
+
+
+@rotate_tokens_op.register_fake
+def _(x, kind, impl):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def rotate_tokens(x: torch.Tensor, kind: str, impl: str = "auto") -> torch.Tensor:
+    """x (..., D) times the rotation `kind` (rotation.rotate: float32, then
+    rounded to x's dtype), the same bits on every impl: "auto" (the Triton
+    pass on CUDA, the reference elsewhere), "reference" or "triton"; x itself
+    for "none"."""
+    if kind not in ROTATIONS:
+        raise ValueError(f"kind must be one of {list(ROTATIONS)}, got {kind!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
+    check_head_dim(x.shape[-1], kind)
+    if kind == "none":
+        return x
+    return torch.ops.dma.rotate_tokens(x.contiguous(), kind, impl)

@@ -2,10 +2,12 @@
 
 `AttentionPolicy` describes one attention layer: the precision tile, how many
 sink and diagonal tiles run in the high format, the high and low formats, the
-P·V precision and the MX details, and how the KV cache stores each token at
-decode time (`cache_k`, `cache_v`, `recent_tokens`). Its compact string form is what travels as
-the custom op's argument, so compiled-graph caches see it. `ModelPolicy` maps
-layer indices to policies and is saved as JSON by calibration.
+P·V precision and the MX details (with `rotate`, the Hadamard rotation of Q
+and K before MX quantization, dma_compile.rotation), and how the KV cache
+stores each token at decode time (`cache_k`, `cache_v`, `recent_tokens`).
+Its compact string form is what travels as the custom op's argument, so
+compiled-graph caches see it. `ModelPolicy` maps layer indices to policies
+and is saved as JSON by calibration.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from dma_compile.formats import FORMATS, SCALE_RULES
+from dma_compile.rotation import ROTATIONS
 
 QK_FORMATS = ("none",) + FORMATS
 PV_MODES = ("input", "fp8")
@@ -43,7 +46,11 @@ _KEYS = {
     "cache_k": "kcache",
     "cache_v": "vcache",
     "recent_tokens": "recent",
+    "rotate": "rot",
 }
+# Keys the string form leaves out at their default, so strings written before
+# the field existed still parse to the same policy and name it the same way.
+_OMITTED_AT_DEFAULT = {"rotate": "none"}
 _FIELDS = {short: name for name, short in _KEYS.items()}
 
 
@@ -72,6 +79,11 @@ class AttentionPolicy:
     `recent_tokens`), which stay in the input dtype: "none", "mxfp8_e4m3"
     (folded MXFP8: e4m3 elements and one power-of-two scale per token) or,
     for K only, "mxfp4_e2m1" (MX: e2m1 elements, one E8M0 scale per 32).
+
+    rotate: "none", "hadamard" or "signed_hadamard" (dma_compile.rotation):
+    Q and K (after smoothing) are rotated along the head dimension before
+    every MX quantization, prefill and KV cache alike; tiles in "none" use
+    them unrotated (the scores are the same). Needs a power-of-two head_dim.
     """
 
     tile: int = 128
@@ -87,6 +99,7 @@ class AttentionPolicy:
     cache_k: str = "none"
     cache_v: str = "none"
     recent_tokens: int = 128
+    rotate: str = "none"
 
     def __post_init__(self) -> None:
         _choice("tile", self.tile, TILES)
@@ -102,10 +115,13 @@ class AttentionPolicy:
         _choice("cache_k", self.cache_k, CACHE_K_FORMATS)
         _choice("cache_v", self.cache_v, CACHE_V_FORMATS)
         _int_at_least("AttentionPolicy.recent_tokens", self.recent_tokens, 0)
+        _choice("rotate", self.rotate, ROTATIONS)
         # The string form travels with every op call: build it once.
         parts = []
         for name, short in _KEYS.items():
             value = getattr(self, name)
+            if name in _OMITTED_AT_DEFAULT and value == _OMITTED_AT_DEFAULT[name]:
+                continue
             parts.append(f"{short}={int(value) if isinstance(value, bool) else value}")
         object.__setattr__(self, "_text", ",".join(parts))
 
@@ -117,6 +133,12 @@ class AttentionPolicy:
     @property
     def uses_mx(self) -> bool:
         return self.hi != "none" or self.lo != "none"
+
+    @property
+    def rotates_cache(self) -> bool:
+        """Whether the KV cache stores K rotated (and rotates each query): only
+        when it quantizes K."""
+        return self.rotate != "none" and self.cache_k != "none"
 
     def replace(self, **changes: Any) -> "AttentionPolicy":
         return dataclasses.replace(self, **changes)
@@ -197,10 +219,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "all_mxfp8": {"hi": "mxfp8_e4m3", "lo": "mxfp8_e4m3"},
     "all_mxfp4": {"hi": "mxfp4_e2m1", "lo": "mxfp4_e2m1"},
     "exact": {"hi": "none", "lo": "none", "smooth_k": False},
+    # The MXFP4 presets with the rotation that measured best over both held-out
+    # samples of BENCHMARKS.md; the others gain nothing measurable from it.
+    "paper_rotated": {"rotate": "signed_hadamard"},
+    "all_mxfp4_rotated": {"hi": "mxfp4_e2m1", "lo": "mxfp4_e2m1", "rotate": "signed_hadamard"},
 }
 # The fixed presets every comparison reports beside a calibrated policy, and
 # whose errors calibration records per layer, in the order they are reported.
-REFERENCE_PRESETS = ("all_mxfp8", "all_mxfp4", "paper", "hopper")
+REFERENCE_PRESETS = ("all_mxfp8", "all_mxfp4", "paper", "paper_rotated", "hopper")
 
 
 def reference_policies() -> dict[str, AttentionPolicy]:

@@ -16,6 +16,7 @@ import torch
 from dma_compile import cache_formats
 from dma_compile.formats import E4M3, fake_quantize, rceil_exponent, round_to_element
 from dma_compile.policy import AttentionPolicy
+from dma_compile.rotation import rotate
 
 # P is multiplied by 2^8 before its e4m3 cast so that it uses e4m3's normal
 # range ([2^-6, 448]) instead of flushing small probabilities to zero.
@@ -48,10 +49,16 @@ def key_tile_is_high(lq: int, lk: int, policy: AttentionPolicy, is_causal: bool)
 
 
 def quantize_operand(x: torch.Tensor, fmt: str, policy: AttentionPolicy, input_dtype: torch.dtype) -> torch.Tensor:
-    """Q or K as the tile format sees it, in float32 (float64 stays float64 for "none")."""
+    """Q or K as the tile format sees it, in float32 (float64 stays float64 for "none").
+
+    MX formats quantize x rotated by `policy.rotate` (in float32,
+    dma_compile.rotation), so the result is in the rotated basis; "none"
+    keeps x's basis. Products of a Q and a K operand of one format are the
+    scores either way."""
     if fmt == "none":
         return x.to(input_dtype).to(x.dtype)
-    return fake_quantize(x, fmt, policy.scale_rule, folded=policy.mx_mode == "folded").to(x.dtype)
+    x_rot = rotate(x.float(), policy.rotate)
+    return fake_quantize(x_rot, fmt, policy.scale_rule, folded=policy.mx_mode == "folded").to(x.dtype)
 
 
 def _mask_keeps(attn_mask: torch.Tensor) -> torch.Tensor:
@@ -285,6 +292,14 @@ def decode_attention_math(
     return torch.matmul(torch.softmax(scores, dim=-1), vf)
 
 
+def rotated_for_cache(q: torch.Tensor, k: torch.Tensor, policy: AttentionPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as a cache of `policy` sees them: rotated and rounded to their
+    dtypes when it rotates (`policy.rotates_cache`), as given otherwise."""
+    if not policy.rotates_cache:
+        return q, k
+    return rotate(q, policy.rotate).to(q.dtype), rotate(k, policy.rotate).to(k.dtype)
+
+
 def decode_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -298,10 +313,13 @@ def decode_attention_reference(
     k, v (B, Hkv, L, D) are the keys and values as written (input dtype);
     lengths (B,) each sequence's cached length, all L when None. The cache keeps
     the sinks and the recent window as given and the other tokens in
-    `policy.cache_k` / `cache_v`; softmax and P·V are exact (float32).
+    `policy.cache_k` / `cache_v`; softmax and P·V are exact (float32). A
+    cache that rotates (`policy.rotates_cache`) holds K rotated and rounded
+    to its dtype, and q is rotated and rounded the same way (kv_cache.py).
     Returns q's dtype.
     """
     policy = policy if policy is not None else AttentionPolicy()
+    q, k = rotated_for_cache(q, k, policy)
     if lengths is None:
         lengths = torch.full((q.shape[0],), k.shape[2], device=q.device)
     kc = cached_values(k, lengths, policy.cache_k, policy)
@@ -322,7 +340,8 @@ def teacher_forced_decode_reference(
     Query i < prefix is the exact prefill; query i >= prefix is the decode
     step at cached length i + 1 (`decode_attention_reference` with T = 1), all
     in one pass: key p is as the cache holds it then (input dtype when
-    p < sinks or p >= i + 1 - recent_tokens). q (B, Hq, L, D), k, v (B, Hkv, L, D).
+    p < sinks or p >= i + 1 - recent_tokens; rotated when the cache rotates).
+    q (B, Hq, L, D), k, v (B, Hkv, L, D).
     """
     policy = policy if policy is not None else AttentionPolicy()
     b, hq, n, d = q.shape
@@ -330,16 +349,21 @@ def teacher_forced_decode_reference(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     everything = torch.full((b,), n, device=q.device)
     high_policy = policy.replace(sink_tiles=0, recent_tokens=0)
-    k_lo = cached_values(k, everything, policy.cache_k, high_policy).repeat_interleave(group, dim=1)
+    qd, kd = rotated_for_cache(q, k, policy)
+    k_lo = cached_values(kd, everything, policy.cache_k, high_policy).repeat_interleave(group, dim=1)
     v_lo = cached_values(v, everything, policy.cache_v, high_policy).repeat_interleave(group, dim=1)
-    kf, vf = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    kf, vf = kd.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
     i = torch.arange(n, device=q.device)[:, None]
     p = torch.arange(n, device=q.device)[None, :]
     quantized = (policy.cache_k, policy.cache_v) != ("none", "none")
     sink, recent = (policy.sink_tiles * policy.tile, policy.recent_tokens) if quantized else (0, 0)
     high = (p < sink) | (p >= i + 1 - recent) | (i < prefix)
-    qf = q.float()
+    qf = qd.float()
     scores = torch.where(high, qf @ kf.transpose(-1, -2), qf @ k_lo.transpose(-1, -2)) * scale
+    if policy.rotates_cache:
+        # The prefill rows attend to the keys as given, not through the cache.
+        prefill = q.float() @ k.float().repeat_interleave(group, dim=1).transpose(-1, -2) * scale
+        scores = torch.where(i < prefix, prefill, scores)
     probs = torch.softmax(scores.masked_fill(p > i, float("-inf")), dim=-1)
     out = (probs * high) @ vf + (probs * ~high) @ v_lo
     return out.to(q.dtype)

@@ -19,6 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dma_compile.formats import BLOCK_SIZE
 from dma_compile.policy import AttentionPolicy
+from dma_compile.rotation import is_power_of_two
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 REFERENCE_DTYPES = INPUT_DTYPES + (torch.float64,)
@@ -90,6 +91,11 @@ def check_inputs(q, k, v, attn_mask, is_causal, scale, policy: AttentionPolicy, 
     if policy.uses_mx and _known(d % BLOCK_SIZE != 0):
         raise ValueError(
             f"q: head_dim must be a multiple of {BLOCK_SIZE} for MX formats (policy hi={policy.hi}, lo={policy.lo}), got {d}"
+        )
+    if policy.uses_mx and policy.rotate != "none" and isinstance(d, int) and not is_power_of_two(d):
+        raise ValueError(
+            f"q: head_dim must be a power of two (64, 128, 256, ...) for policy rotate={policy.rotate}, got {d}; "
+            "use rotate=none for this layer"
         )
     if attn_mask is not None:
         _check_mask(attn_mask, is_causal, q, (b, hq, lq, lk))

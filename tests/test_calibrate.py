@@ -109,7 +109,7 @@ def test_calibrate_tiny_model(model_and_text, tmp_path):
         # The cheapest: nothing cheaper that was scored is within the budget.
         cheaper = [e for e in stats["evaluated"] if e["cost"] < stats["cost"] - 1e-9]
         assert all(e["rel_l2"] > budget for e in cheaper)
-        assert set(stats["presets"]) == {"paper", "hopper", "all_mxfp8", "all_mxfp4"}
+        assert set(stats["presets"]) == {"paper", "paper_rotated", "hopper", "all_mxfp8", "all_mxfp4"}
     assert max(_per_layer_costs(tight)) > cheapest
     assert tight.stats["budget"] == budget and tight.stats["target"] == "sm100"
     assert tight.stats["window_len"] == 300 and tight.stats["windows"] == 2
@@ -144,7 +144,7 @@ def test_calibrate_model_allocation(model_and_text, allocation):
     assert pooled.stats["cost"] <= per_layer.stats["cost"] + 1e-12
     # Every candidate and the exact policy scored in full, the choice among them.
     for i, s in enumerate(layer_stats):
-        assert len(s["evaluated"]) == len(candidate_policies("sm100")) + 1
+        assert len(s["evaluated"]) == len(candidate_policies("sm100", head_dim=32)) + 1
         assert all(e["complete"] for e in s["evaluated"])
         assert pooled.layers[i].to_string() == s["policy"]
     assert f"{allocation} allocation" in policy_table(pooled)

@@ -3,6 +3,7 @@
 import pytest
 
 from dma_compile.calibrate import candidate_policies, exact_policy, format_fraction, policy_cost, resolve_target
+from dma_compile.calibrate.cost import ROTATION
 from dma_compile.policy import AttentionPolicy
 
 
@@ -30,6 +31,19 @@ def test_candidates_are_distinct_and_cover_the_grid():
     assert resolve_target("sm90") == "sm90"
     with pytest.raises(ValueError, match="target"):
         resolve_target("sm80")
+
+
+def test_mxfp4_candidates_get_a_rotated_twin_for_power_of_two_head_dims():
+    for target in ("sm90", "sm100"):
+        plain = candidate_policies(target)
+        with_twins = candidate_policies(target, head_dim=64)
+        rotated = [p for p in with_twins if p.rotate != "none"]
+        assert {p.rotate for p in rotated} == {ROTATION}
+        assert all(p.lo == "mxfp4_e2m1" for p in rotated)
+        # Every MXFP4 candidate has its twin, and nothing else changed.
+        assert len(rotated) == sum(p.lo == "mxfp4_e2m1" for p in plain)
+        assert {p.replace(rotate="none").to_string() for p in rotated} <= {p.to_string() for p in plain}
+        assert [p.to_string() for p in candidate_policies(target, head_dim=96)] == [p.to_string() for p in plain]
 
 
 def test_exact_policy_is_the_exact_preset_on_the_targets_base():

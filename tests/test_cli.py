@@ -118,7 +118,7 @@ def test_calibrate_then_compare(files, capsys, tmp_path):
     assert code == 0
     assert "(a) per-layer" in out and "(b) held-out perplexity" in out and "calibrated (sm90)" in out
     saved = json.loads(json_path.read_text())
-    assert set(saved["policies"]) == {"sdpa", "all_mxfp8", "all_mxfp4", "paper", "hopper", "calibrated (sm90)"}
+    assert set(saved["policies"]) == {"sdpa", "all_mxfp8", "all_mxfp4", "paper", "paper_rotated", "hopper", "calibrated (sm90)"}
     assert (tmp_path / "errors.png").is_file()
 
 

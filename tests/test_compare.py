@@ -64,7 +64,7 @@ def test_compare_tables_and_json(setup, tmp_path):
         plot=tmp_path / "errors.png", progress=False,
     )
     names = list(standard_policies(policy))
-    assert names == ["sdpa", "all_mxfp8", "all_mxfp4", "paper", "hopper", "calibrated (sm100)"]
+    assert names == ["sdpa", "all_mxfp8", "all_mxfp4", "paper", "paper_rotated", "hopper", "calibrated (sm100)"]
     assert list(result.policies) == names
     sdpa = result.policies["sdpa"]
     assert sdpa["first_divergence"] == 5 and sdpa["match_rate"] == 1.0 and sdpa["cost_sm100"] == 1.0

@@ -64,3 +64,24 @@ def test_padded_batch_generation_matches_sdpa(seed):
 def test_needs_the_dma_attention(seed):
     with pytest.raises(ValueError, match="attn_implementation='dma'"):
         dma_compile.hf.DMACache(causal_lm("llama", "sdpa", seed))
+
+
+
+def test_rotating_cache_generates_close_to_exact(seed):
+    """A rotating MXFP4-K cache through transformers (keys stored rotated,
+    each step's query rotated): close to exact decoding, and not the same
+    numbers as the unrotated cache."""
+    policy = EXACT.replace(tile=32, cache_k="mxfp4_e2m1", cache_v="mxfp8_e4m3", recent_tokens=4,
+                           rotate="signed_hadamard")
+    dma_compile.hf.register(EXACT, impl="reference")
+    dma = causal_lm("llama", "dma", seed)
+    ids = torch.randint(0, 97, (1, 50), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        cache = dma_compile.hf.DMACache(dma, policy)
+        out = teacher_forced(dma, ids, 10, cache)
+        unrotated = teacher_forced(dma, ids, 10, dma_compile.hf.DMACache(dma, policy.replace(rotate="none")))
+        exact = dma(ids).logits[:, 9:-1]
+    assert cache.layers[0].store.rotate == "signed_hadamard"
+    assert not torch.equal(out, unrotated)
+    err = ((out - exact).norm() / exact.norm()).item()
+    assert 0 < err < 0.1, f"seed {seed}: {err}"

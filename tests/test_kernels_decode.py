@@ -141,3 +141,42 @@ def test_nan_reaches_exactly_the_rows_that_see_it(seed):
     assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any() and not out[1].isnan().any()
     ref = cache.attend(q, impl="reference")
     assert torch.equal(out.isnan(), ref.isnan())
+
+
+@pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
+@pytest.mark.parametrize("k_fmt,d", [("mxfp4_e2m1", 64), ("mxfp8_e4m3", 128)])
+def test_rotating_cache_through_the_kernel(kind, k_fmt, d, seed):
+    """A rotating cache (rotated K, each query rotated once) through the
+    kernel equals the reference decode of the same policy."""
+    from dma_compile.reference import decode_attention_reference
+
+    policy = BASE.replace(cache_k=k_fmt, cache_v="mxfp8_e4m3", rotate=kind)
+    lengths = [70, 45]
+    cache = QuantizedKV(2, 2, d, 80, policy, torch.bfloat16, DEVICE)
+    k = (torch.randn(2, 2, 70, d, device=DEVICE) + torch.randn(d, device=DEVICE) * 2).bfloat16()
+    v = torch.randn(2, 2, 70, d, device=DEVICE).bfloat16()
+    cache.append(k, v, num_tokens=torch.tensor(lengths, device=DEVICE))
+    q = torch.randn(2, 4, 1, d, device=DEVICE).bfloat16()
+    out = cache.attend(q, impl="triton").float().cpu()
+    for i, n in enumerate(lengths):
+        want = decode_attention_reference(q[i : i + 1].cpu(), k[i : i + 1, :, :n].cpu(), v[i : i + 1, :, :n].cpu(),
+                                          policy=policy).float()
+        torch.testing.assert_close(out[i : i + 1], want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
+def test_rotate_tokens_kernel_is_bit_exact(dtype, kind, seed):
+    from dma_compile.ops_decode import rotate_tokens
+
+    # Binades per token, within fp16's range (an Inf would make its whole token NaN).
+    x = torch.randn(3, 5, 7, 128, device=DEVICE) * torch.exp2(torch.randint(-10, 8, (3, 5, 7, 1), device=DEVICE))
+    x = x.to(dtype)
+    x[1, 2, 3, 7] = float("nan")
+    got, want = rotate_tokens(x, kind, impl="triton"), rotate_tokens(x.cpu(), kind, impl="reference")
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.cpu().isnan(), want.isnan()) and torch.equal(got.cpu().nan_to_num(), want.nan_to_num())
+    assert bool(want[1, 2, 3].isnan().all()) and not bool(want[1, 2, 2].isnan().any())
+    assert rotate_tokens(x, "none") is x
+    with pytest.raises(ValueError, match="kind must be one of"):
+        rotate_tokens(x, "walsh")

@@ -203,3 +203,58 @@ def test_only_unsmoothed_plans_share_the_statistics_launch():
     plan = _q().plan_tokens(k, ("mxfp8_e4m3",), mean=mean)
     with pytest.raises(ValueError, match="alongside"):
         _q().kv_statistics(k, k, key_mean=True, value_scale=False, alongside=plan)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
+@pytest.mark.parametrize("mode", ["folded", "exact"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rotated_tokens_match_formats(device, kind, mode, d, seed):
+    """With rotation the pass quantizes rotation.rotate of the smoothed tokens,
+    bit for bit (NaN/Inf blocks make their whole token NaN, as in the
+    reference); the "none" output stays smoothed and unrotated."""
+    from dma_compile.rotation import rotate
+
+    shape = (2, 3, 45, d) if device == "cpu" else (2, 8, 3000, d)
+    x = tailed(shape, torch.bfloat16, device)
+    mean = (torch.randn(shape[0], shape[1], d) * 3).to(device)
+    fmts = ("mxfp8_e4m3", "mxfp4_e2m1")
+    got = on_cpu(_q().quantize_tokens(x, fmts, mode, "rceil", mean=mean, write_none=True, pow2_scales=True,
+                                      rotate=kind))
+    smoothed = x.cpu().float() - mean.cpu().unsqueeze(-2)
+    assert same(got["none"][0], smoothed.to(torch.bfloat16)), f"seed {seed}"
+    rotated = rotate(smoothed, kind)
+    for fmt in fmts:
+        mx = formats.quantize_mx(rotated, fmt)
+        if mode == "folded":
+            elements, exponents = formats.fold_mx(mx)
+            assert same(got[fmt][0], elements), f"seed {seed} {fmt} payload"
+            assert torch.equal(got[fmt][1], exponents), f"seed {seed} {fmt} exponents"
+        else:
+            assert same(got[fmt][0], mx.dequantize().to(torch.bfloat16)), f"seed {seed} {fmt}"
+    unrotated = formats.fold_mx(formats.quantize_mx(smoothed, fmts[1]))[0]
+    if mode == "folded":
+        assert not same(got[fmts[1]][0], unrotated)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_statistics_launch_quantizes_rotated_queries(device, seed):
+    """Q's rotated plan carried out by the statistics launch equals its own launch."""
+    kshape, qshape = ((1, 2, 150, 64), (1, 4, 41, 64)) if device == "cpu" else ((2, 4, 5000, 128), (2, 8, 3001, 128))
+    k = (torch.randn(kshape) * 3 + torch.randn(kshape[-1]) * 5).to(torch.bfloat16).to(device)
+    q = tailed(qshape, torch.bfloat16, device)
+    fmts = ("mxfp8_e4m3", "mxfp4_e2m1")
+    plan = _q().plan_tokens(q, fmts, "folded", "rceil", pow2_scales=True, rotate="signed_hadamard")
+    _q().kv_statistics(k, k, key_mean=True, value_scale=False, alongside=plan)
+    expected = on_cpu(_q().quantize_tokens(q, fmts, "folded", "rceil", pow2_scales=True, rotate="signed_hadamard"))
+    plain = on_cpu(_q().quantize_tokens(q, fmts, "folded", "rceil", pow2_scales=True))
+    got = on_cpu(plan.operands)
+    for fmt in fmts:
+        for name, a, b in zip(("values", "exponents", "scales"), got[fmt], expected[fmt]):
+            assert same(a, b), f"seed {seed} {fmt} {name}"
+        assert not same(got[fmt][0], plain[fmt][0])
+
+
+def test_rotation_needs_a_power_of_two_head_dim():
+    with pytest.raises(ValueError, match="power of two"):
+        _q().quantize_tokens(torch.randn(1, 1, 8, 96), ("mxfp8_e4m3",), rotate="hadamard")

@@ -96,6 +96,11 @@ FORMAT_CASES = [
     ("none", "mxfp4_e2m1", {"sink_tiles": 0}, (1, 4, 1, 90, 90, 64), True),
     ("none", "mxfp8_e5m2", {"scale_rule": "floor", "sink_tiles": 2}, (1, 2, 2, 64, 96, 128), False),
     ("mxfp4_e2m1", "none", {"smooth_k": False}, (1, 2, 1, 50, 80, 64), True),
+    # Rotated Q and K (dma_compile.rotation), after smoothing: every format and both classes.
+    ("mxfp8_e4m3", "mxfp4_e2m1", {"rotate": "signed_hadamard"}, (1, 4, 2, 77, 77, 64), True),
+    ("none", "mxfp4_e2m1", {"rotate": "hadamard"}, (2, 2, 1, 45, 110, 128), False),
+    ("mxfp8_e5m2", "mxfp8_e4m3", {"rotate": "hadamard", "diag_tiles": 2}, (1, 3, 3, 100, 70, 64), False),
+    ("mxfp4_e2m1", "none", {"rotate": "signed_hadamard", "smooth_k": False}, (1, 2, 1, 50, 80, 32), True),
 ]
 
 
@@ -169,7 +174,8 @@ def test_masks_match_reference(seed, kind, mask_heads, block_m, block_n):
     _assert_discriminates(q, k, v, mask, False, policy, ref, FP32_TOL)
 
 
-@pytest.mark.parametrize("policy", [AttentionPolicy.hopper(), AttentionPolicy(mx_mode="folded", diag_tiles=2)])
+@pytest.mark.parametrize("policy", [AttentionPolicy.hopper(), AttentionPolicy(mx_mode="folded", diag_tiles=2),
+                                    AttentionPolicy(mx_mode="folded", rotate="signed_hadamard")])
 def test_folded_matches_reference(seed, policy):
     """Folded MX (per-token e4m3 with one power of two per row and column) on fp8 tl.dot."""
     policy = policy.replace(tile=32)
@@ -244,6 +250,27 @@ def test_payloads_are_formats_quantize_mx(seed, fmt):
         assert torch.equal(got[fmt].scales, want.scales)
         assert torch.equal(got[fmt].payload, want.payload.view(torch.uint8))
         torch.testing.assert_close(got["none"], smoothed.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"])
+@pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
+def test_rotated_payloads_are_formats_quantize_mx(seed, fmt, kind):
+    """With rotation the pass quantizes rotation.rotate of the smoothed values
+    (bit for bit, NaN/Inf tokens included); "none" stays unrotated."""
+    from dma_compile.rotation import rotate
+
+    x = _randn(2, 3, 37, 128, scale=4.0) * torch.exp2(torch.randint(-30, 30, (2, 3, 37, 1), device=DEVICE))
+    x[0, 0, 3, 5] = float("nan")
+    x[1, 2, 7, 40] = float("-inf")
+    x = x.to(torch.bfloat16)
+    mean = torch.randn(2, 3, 128, device=DEVICE)
+    smoothed = x.float() - mean[:, :, None]
+    got = quantize_payloads(x, (fmt,), "rceil", mean=mean, write_none=True, rotate=kind)
+    want = quantize_mx(rotate(smoothed, kind), fmt)
+    assert torch.equal(got[fmt].scales, want.scales), f"seed {seed}"
+    assert torch.equal(got[fmt].payload, want.payload.view(torch.uint8)), f"seed {seed}"
+    assert not torch.equal(want.scales, quantize_mx(smoothed, fmt).scales)
+    torch.testing.assert_close(got["none"], smoothed.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
 
 
 def test_unsupported_and_bad_blocks():

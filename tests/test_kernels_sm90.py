@@ -163,6 +163,14 @@ CASES = [
     Case("hopper_short_queries", small(HOPPER), 5, 70),
     Case("paper_folded_causal_lq_gt_lk", small(PAPER_FOLDED), 80, 50, causal=True),
     Case("hopper_padded_causal", small(HOPPER), 70, 70, mask="padded_causal", b=2),
+    # Rotated Q and K (dma_compile.rotation): the other rotation, or none, must not match.
+    Case("paper_exact_hadamard_causal_gqa", small(PAPER_EXACT).replace(rotate="hadamard"), 70, 70, causal=True,
+         hq=4, hkv=2, other=small(PAPER_EXACT)),
+    Case("all_mxfp4_signed_padding_d128", small(ALL_MXFP4).replace(rotate="signed_hadamard"), 50, 80,
+         mask="padding", b=2, d=128, other=small(ALL_MXFP4).replace(rotate="hadamard")),
+    Case("hopper_signed_fp8pv", small(HOPPER).replace(rotate="signed_hadamard", pv="fp8"), 60, 60, causal=True),
+    Case("e5m2_hadamard_lq_gt_lk", small(PAPER_FOLDED).replace(hi="mxfp8_e5m2", rotate="hadamard"), 90, 40,
+         other=small(PAPER_FOLDED).replace(hi="mxfp8_e5m2")),
 ]
 
 

@@ -44,6 +44,7 @@ def test_gluon_matches_reference_or_refuses(case, seed):
 SWEEP_POLICIES = [
     HOPPER, HOPPER.replace(pv="fp8"), PAPER_FOLDED, HOPPER.replace(diag_tiles=2, sink_tiles=0),
     AttentionPolicy.preset("all_mxfp8").replace(mx_mode="folded", pv="fp8"), HOPPER.replace(tile=256),
+    PAPER_FOLDED.replace(rotate="signed_hadamard"), HOPPER.replace(rotate="hadamard"),
 ]
 
 

@@ -107,3 +107,42 @@ def test_gpu_fallback_sdpa_path_matches_reference(seed):
             c.sink, c.recent, c.policy, None)
     torch.testing.assert_close(_dequantized_attention(*args, exact=False).float(),
                                _dequantized_attention(*args, exact=True).float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
+def test_rotating_cache_stores_rotated_keys_and_attends_as_the_reference(kind, seed):
+    """K is stored rotated (and rounded to its dtype) in every part of the
+    cache, queries are rotated once per call, and values() gives K back in the
+    model's basis."""
+    from dma_compile.rotation import rotate, unrotate
+
+    b, h, d, n = 2, 3, 64, 70
+    k = (torch.randn(b, h, n, d) + torch.randn(d) * 2).bfloat16()
+    v = torch.randn(b, h, n, d).bfloat16()
+    policy = POLICY.replace(rotate=kind)
+    cache = QuantizedKV(b, h, d, capacity=80, policy=policy, dtype=torch.bfloat16)
+    cache.append(k[:, :, :40], v[:, :, :40])
+    cache.append(k[:, :, 40:], v[:, :, 40:])
+    rotated = rotate(k, kind).bfloat16()
+    assert torch.equal(cache.hi_k[:, :, :32], rotated[:, :, :32])
+    ks, vs = cache.values()
+    assert torch.equal(ks, unrotate(cached_values(rotated, cache.lengths, policy.cache_k, policy), kind))
+    plain = QuantizedKV(b, h, d, capacity=80, policy=POLICY, dtype=torch.bfloat16)
+    plain.append(k, v)
+    assert torch.equal(vs, plain.values()[1]) and not torch.equal(ks, plain.values()[0])
+    # The sinks and recent window are the keys as given, up to two bf16 roundings.
+    torch.testing.assert_close(ks[:, :, :32], k[:, :, :32].float(), rtol=2e-2, atol=2e-2)
+    q = torch.randn(b, 6, 2, d).bfloat16()
+    out = cache.attend(q, impl="reference")
+    torch.testing.assert_close(out, decode_attention_reference(q, k, v, policy=policy), rtol=0, atol=0)
+    assert not torch.equal(out, plain.attend(q, impl="reference"))
+
+
+def test_cache_rotates_only_quantized_keys():
+    policy = POLICY.replace(cache_k="none", rotate="hadamard")
+    cache = QuantizedKV(1, 1, 32, capacity=40, policy=policy, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 1, 36, 32).bfloat16(), torch.randn(1, 1, 36, 32).bfloat16()
+    cache.append(k, v)
+    assert torch.equal(cache.k_payload[:, :, :36], k)
+    with pytest.raises(ValueError, match="head_dim must be a power of two for rotate=hadamard"):
+        QuantizedKV(1, 1, 96, capacity=8, policy=POLICY.replace(rotate="hadamard"))

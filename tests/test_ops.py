@@ -102,6 +102,21 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_rotation_needs_a_power_of_two_head_dim_at_both_doors(impl):
+    q, k, v = (torch.randn(1, 2, 20, 96) for _ in range(3))
+    policy = AttentionPolicy(rotate="hadamard")
+    with pytest.raises(ValueError, match="q: head_dim must be a power of two .* rotate=hadamard, got 96"):
+        dma_attention(q, k, v, policy=policy, impl=impl)
+    for device in (None, "meta"):
+        args = tuple(x.to(device) if device else x for x in (q, k, v))
+        with pytest.raises(ValueError, match="power of two"):
+            torch.ops.dma.attention(*args, None, False, None, policy.to_string(), impl)
+    # Without MX formats there is nothing to rotate: any head_dim runs.
+    exact = AttentionPolicy.preset("exact").replace(rotate="hadamard")
+    assert dma_attention(q, k, v, policy=exact, impl=impl).shape == q.shape
+
+
 def op_arguments(q, k, v, kwargs, device=None):
     args = (q, k, v, kwargs.get("attn_mask"), kwargs.get("is_causal", False), None, POLICY.to_string(), kwargs.get("impl", "auto"))
     return tuple(a.to(device) if device and isinstance(a, torch.Tensor) else a for a in args)

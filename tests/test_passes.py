@@ -150,11 +150,12 @@ def qkv(heads=4, kv_heads=4, length=37, head_dim=32, dtype=torch.float32, requir
     [
         ({"dropout_p": 0.5}, {}, AttentionPolicy(), "dropout_p > 0"),
         ({}, {"head_dim": 48}, AttentionPolicy(), "head_dim 48 is not a multiple of 32"),
+        ({}, {"head_dim": 96}, AttentionPolicy(rotate="hadamard"), "head_dim 96 is not a power of two"),
         ({}, {"head_dim": 320}, AttentionPolicy.preset("exact"), "head_dim 320 > 256"),
         ({}, {"dtype": torch.float64}, AttentionPolicy(), "dtype torch.float64"),
         ({}, {"requires_grad": True}, AttentionPolicy(), "require grad"),
     ],
-    ids=["dropout", "head_dim-48-mx", "head_dim-320", "float64", "requires-grad"],
+    ids=["dropout", "head_dim-48-mx", "head_dim-96-rotate", "head_dim-320", "float64", "requires-grad"],
 )
 def test_unservable_call_sites_keep_sdpa_and_log_once(caplog, monkeypatch, sdpa_kwargs, tensors, policy, reason):
     # Reasons are logged once per process: start from none logged.

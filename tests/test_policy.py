@@ -167,3 +167,52 @@ def test_cache_fields_round_trip_string_and_json(tmp_path):
     model.save(tmp_path / "p.json")
     assert ModelPolicy.load(tmp_path / "p.json").layers[1] == p
     assert AttentionPolicy().cache_k == "none" and AttentionPolicy().recent_tokens == 128
+
+
+def test_rotate_field_validated_and_default_none():
+    assert AttentionPolicy().rotate == "none"
+    with pytest.raises(ValueError, match="rotate must be one of"):
+        AttentionPolicy(rotate="walsh")
+    with pytest.raises(ValueError, match="rotate must be one of"):
+        AttentionPolicy.from_string("rot=yes")
+
+
+def test_rotate_string_form_is_backward_compatible():
+    """Strings written before the field parse to rotate=none, and a policy
+    without rotation writes exactly the string it wrote then."""
+    old = ("tile=128,sink=1,diag=1,hi=mxfp8_e4m3,lo=mxfp4_e2m1,pv=input,mx=exact,smooth=1,scale=rceil,minq=16,"
+           "kcache=none,vcache=none,recent=128")
+    assert AttentionPolicy().to_string() == old
+    assert AttentionPolicy.from_string(old) == AttentionPolicy()
+    p = AttentionPolicy.hopper().replace(rotate="signed_hadamard")
+    assert p.to_string() == AttentionPolicy.hopper().to_string() + ",rot=signed_hadamard"
+    assert AttentionPolicy.from_string(p.to_string()) == p
+    assert AttentionPolicy.from_string("rot=hadamard") == AttentionPolicy(rotate="hadamard")
+    assert AttentionPolicy.from_string("rot=none") == AttentionPolicy()
+    assert "rot=" not in AttentionPolicy(rotate="none").to_string()
+
+
+def test_rotate_round_trips_per_layer_json(tmp_path):
+    rotated = AttentionPolicy.preset("all_mxfp4").replace(rotate="hadamard")
+    model = ModelPolicy(default=AttentionPolicy.hopper(), layers={0: rotated, 2: rotated.replace(rotate="none")},
+                        num_layers=3)
+    model.save(tmp_path / "p.json")
+    back = ModelPolicy.load(tmp_path / "p.json")
+    assert back.layers[0] == rotated and back.layers[2].rotate == "none" and back.default == model.default
+    assert json.loads((tmp_path / "p.json").read_text())["layers"]["0"].endswith(",rot=hadamard")
+    assert AttentionPolicy.from_dict(rotated.to_dict()) == rotated
+
+
+def test_rotates_cache_only_when_k_is_quantized():
+    assert not AttentionPolicy(rotate="hadamard").rotates_cache
+    assert AttentionPolicy(rotate="hadamard", cache_k="mxfp4_e2m1").rotates_cache
+    assert not AttentionPolicy(cache_k="mxfp4_e2m1").rotates_cache
+
+
+def test_rotated_presets():
+    assert AttentionPolicy.preset("paper_rotated") == AttentionPolicy(rotate="signed_hadamard")
+    rotated = AttentionPolicy.from_string("all_mxfp4_rotated")
+    assert rotated == AttentionPolicy.preset("all_mxfp4").replace(rotate="signed_hadamard")
+    # The unrotated presets and the device defaults stay as they were.
+    assert all(AttentionPolicy.preset(n).rotate == "none" for n in ("paper", "hopper", "all_mxfp8", "all_mxfp4"))
+    assert default_policy("cpu").rotate == "none"

@@ -43,7 +43,7 @@ def choose_policy(
 ) -> LayerChoice:
     """The cheapest candidate whose relative L2 error is within `budget`
     (ties: the lowest error), the exact policy if none is."""
-    priced = [(policy_cost(p, target, cost_len, rates), p) for p in candidate_policies(target)]
+    priced = [(policy_cost(p, target, cost_len, rates), p) for p in candidate_policies(target, scorer.head_dim)]
     priced.sort(key=lambda cp: cp[0])
     fallback = exact_policy(target)
     priced.append((policy_cost(fallback, target, cost_len, rates), fallback))
@@ -69,7 +69,7 @@ def score_candidates(
     """Every candidate and the exact policy, each scored in full, cheapest
     first. The model-level allocation trades error between layers, so unlike
     `choose_policy` it needs every layer's whole (cost, error) table."""
-    policies = [*candidate_policies(target), exact_policy(target)]
+    policies = [*candidate_policies(target, scorer.head_dim), exact_policy(target)]
     scored = [{"policy": p.to_string(), "cost": policy_cost(p, target, cost_len, rates), **scorer.errors(p)}
               for p in policies]
     return sorted(scored, key=lambda e: (e["cost"], e["rel_l2"]))

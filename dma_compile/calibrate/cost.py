@@ -16,6 +16,7 @@ import torch
 
 from dma_compile.policy import PRESETS, PV_MODES, AttentionPolicy, ModelPolicy
 from dma_compile.reference import key_tile_is_high
+from dma_compile.rotation import is_power_of_two
 
 TARGETS = ("sm90", "sm100")
 
@@ -38,6 +39,11 @@ HI_FORMATS = ("none", "mxfp8_e4m3")
 LO_FORMATS = ("mxfp8_e4m3", "mxfp4_e2m1")
 DIAG_TILES = (1, 2, 4, 8)
 SINK_TILES = (0, 1, 2)
+# Rotation spreads outlier channels over MX blocks; it pays where the low
+# format is MXFP4 (BENCHMARKS.md, rotation), so only those candidates get a
+# rotated twin. Its cost (a step of the quantization pass) is not a tile cost.
+ROTATED_LOW_FORMATS = ("mxfp4_e2m1",)
+ROTATION = "signed_hadamard"
 DEFAULT_COST_LEN = 2048
 
 
@@ -59,17 +65,21 @@ def base_policy(target: str) -> AttentionPolicy:
     return AttentionPolicy.hopper() if resolve_target(target) == "sm90" else AttentionPolicy.paper()
 
 
-def candidate_policies(target: str = "auto") -> list[AttentionPolicy]:
+def candidate_policies(target: str = "auto", head_dim: int | None = None) -> list[AttentionPolicy]:
     """Every distinct candidate: hi in HI_FORMATS, lo in LO_FORMATS, diag in
     DIAG_TILES, sink in SINK_TILES, pv in PV_MODES (a policy whose hi and lo
-    are one format has no use for diag and sink and appears once)."""
+    are one format has no use for diag and sink and appears once); with a
+    power-of-two `head_dim`, each candidate whose lo is in ROTATED_LOW_FORMATS
+    also rotated by ROTATION."""
     base = base_policy(target)
+    rotations = ("none", ROTATION) if head_dim is not None and is_power_of_two(head_dim) else ("none",)
     seen: dict[str, AttentionPolicy] = {}
     for hi, lo, diag, sink, pv in itertools.product(HI_FORMATS, LO_FORMATS, DIAG_TILES, SINK_TILES, PV_MODES):
         if hi == lo:
             diag, sink = 1, 0
-        policy = base.replace(hi=hi, lo=lo, diag_tiles=diag, sink_tiles=sink, pv=pv)
-        seen.setdefault(policy.to_string(), policy)
+        for rotate in rotations if lo in ROTATED_LOW_FORMATS else ("none",):
+            policy = base.replace(hi=hi, lo=lo, diag_tiles=diag, sink_tiles=sink, pv=pv, rotate=rotate)
+            seen.setdefault(policy.to_string(), policy)
     return list(seen.values())
 
 

@@ -44,6 +44,11 @@ class LayerScorer:
         self._masks: dict[tuple, torch.Tensor] = {}
         self._errors: dict[str, dict] = {}
 
+    @property
+    def head_dim(self) -> int:
+        """The layer's query/key head_dim."""
+        return self.windows[0][0].shape[-1]
+
     @staticmethod
     def _exact_output(q, k, v, scale):
         out = F.scaled_dot_product_attention(
@@ -52,7 +57,7 @@ class LayerScorer:
         return out.to(q.dtype).float()
 
     def _format_scores(self, index: int, fmt: str, policy: AttentionPolicy) -> torch.Tensor:
-        key = (index, fmt, policy.scale_rule, policy.mx_mode, policy.smooth_k)
+        key = (index, fmt, policy.scale_rule, policy.mx_mode, policy.smooth_k, policy.rotate)
         if key not in self._scores:
             q, k, _, scale = self.windows[index]
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

@@ -344,16 +344,18 @@ def _class_operands(q, k, key_mean, policy: AttentionPolicy) -> dict[str, _Class
     smoothed_none = "none" in policy.formats and key_mean is not None
     ops: dict[str, _ClassOperands] = {}
     if policy.mx_mode == "folded":
-        q_mx = quantize_tokens(q, mx, "folded", policy.scale_rule)
-        k_mx = quantize_tokens(k, mx, "folded", policy.scale_rule, mean=key_mean, write_none=smoothed_none)
+        q_mx = quantize_tokens(q, mx, "folded", policy.scale_rule, rotate=policy.rotate)
+        k_mx = quantize_tokens(k, mx, "folded", policy.scale_rule, mean=key_mean, write_none=smoothed_none,
+                               rotate=policy.rotate)
         for f in mx:
             # As bytes: a masked load from an fp8 pointer takes no fill value.
             ops[f] = _ClassOperands(KIND_FOLDED, "e4m3", q_mx[f].values.view(torch.uint8), q_mx[f].exponents,
                                     k_mx[f].values.view(torch.uint8), k_mx[f].exponents)
         k_none = k_mx["none"].values if smoothed_none else None
     else:
-        q_mx = quantize_payloads(q, mx, policy.scale_rule)
-        k_mx = quantize_payloads(k, mx, policy.scale_rule, mean=key_mean, write_none=smoothed_none)
+        q_mx = quantize_payloads(q, mx, policy.scale_rule, rotate=policy.rotate)
+        k_mx = quantize_payloads(k, mx, policy.scale_rule, mean=key_mean, write_none=smoothed_none,
+                                 rotate=policy.rotate)
         for f in mx:
             ops[f] = _ClassOperands(KIND_MX, DOT_SCALED_FORMAT[f], q_mx[f].payload, q_mx[f].scales,
                                     k_mx[f].payload, k_mx[f].scales)

@@ -405,13 +405,13 @@ def quantize_inputs(
     key_keep, key_limit: the keys that count (`masks.counted_key_arguments`; default all).
     """
     mx_formats = tuple(f for f in policy.formats if f != "none")
-    q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True)
+    q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True, rotate=policy.rotate)
     # Q needs no statistics, so it can share their launch (see kv_statistics).
     stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8", alongside=q_plan,
                           key_keep=key_keep, key_limit=key_limit)
     smoothed_none = "none" in policy.formats and stats.key_mean is not None
     k_ops = quantize_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
-                            write_none=smoothed_none, pow2_scales=True)
+                            write_none=smoothed_none, pow2_scales=True, rotate=policy.rotate)
     q_ops = {"none": Operand(q), **q_plan.operands}
     k_ops.setdefault("none", Operand(k))
     q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]

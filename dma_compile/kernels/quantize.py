@@ -14,6 +14,11 @@ kernel reads, in its layout (docs/semantics.md gives the math):
   fp8 MMA wants its second operand K-major, with one power-of-two scale per
   channel.
 
+With a rotating policy (`AttentionPolicy.rotate`), Q and K are rotated along
+D (kernels/hadamard.py: a float32 butterfly in registers, bit-identical to
+`dma_compile.rotation`) after smoothing and before every MX format; the
+format-"none" output stays unrotated.
+
 K's mean over keys (smoothing) and V's per-channel amax, over the finite
 values of the keys that count (docs/semantics.md; `key_keep`, `key_limit`),
 come from a small reduction pass first: many programs per (batch, head),
@@ -51,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
 from dma_compile.kernels.launch import cdiv, launch, next_power_of_2
 from dma_compile.kernels.numerics import (
     FMT_CODES,
@@ -99,12 +105,12 @@ def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, SCALES, out_offs, row_offs
 def _quantize_token_block(
     pid_t, pid_bh,
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2,
+    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
-    HW_CVT: tl.constexpr,
+    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     """Block pid_t of BLOCK_T whole tokens of (batch, head) pid_bh: each thread
     loads 16-byte runs along D (contiguous when sx_d is 1, which Triton
@@ -127,6 +133,8 @@ def _quantize_token_block(
     row_offs = pid_bh.to(tl.int64) * L + t1
     if WRITE_NONE:
         tl.store(NONE_OUT + out_offs, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
+    if ROTATE:
+        x = rotate_rows(x, tl.load(SIGNS + (d + t * 0)), D, INV_SQRT_D)
     if FMT1 != 0:
         amax, bad = block_amax(x)
         _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, SCALES1, out_offs, row_offs,
@@ -139,17 +147,17 @@ def _quantize_token_block(
 @triton.jit
 def _quantize_tokens_kernel(
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2,
+    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
-    HW_CVT: tl.constexpr,
+    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     _quantize_token_block(
         tl.program_id(0), tl.program_id(1), X, sx_b, sx_h, sx_l, sx_d,
-        MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, H, L,
-        D, BLOCK_T, SMOOTH, WRITE_NONE, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT)
+        MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, H, L,
+        D, BLOCK_T, SMOOTH, WRITE_NONE, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, INV_SQRT_D)
 
 
 @triton.jit
@@ -216,11 +224,12 @@ def _kv_stats_chunk(
 def _kv_stats_kernel(
     K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
     KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, N_STATS,
-    X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, HX, LX, N_TOKEN_BLOCKS,
+    X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX, N_TOKEN_BLOCKS,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
     DX: tl.constexpr, BLOCK_T: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
+    ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     """The statistics chunks (the first N_STATS programs), then the token
     blocks of an independent tensor X (Q) to quantize, if any.
@@ -237,8 +246,8 @@ def _kv_stats_kernel(
         t = pid - N_STATS
         _quantize_token_block(
             t % N_TOKEN_BLOCKS, t // N_TOKEN_BLOCKS, X, sx_b, sx_h, sx_l, sx_d,
-            X, X, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, HX, LX,
-            DX, BLOCK_T, False, False, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT)
+            X, X, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX,
+            DX, BLOCK_T, False, False, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, INV_SQRT_D)
 
 
 @triton.jit
@@ -353,11 +362,13 @@ def plan_tokens(
     mean: torch.Tensor | None = None,
     write_none: bool = False,
     pow2_scales: bool = False,
+    rotate: str = "none",
 ) -> TokenPlan:
     """Allocate the outputs of `quantize_tokens` and the launch that fills them."""
     b, h, length, d = x.shape
     if d % 32 != 0 or d & (d - 1):
         raise ValueError(f"x: head_dim must be a power of two and a multiple of 32, got {d}")
+    signs, rotating, inv_sqrt_d = rotation_arguments(x, rotate)
     mx = [f for f in formats if f != "none"]
     if len(mx) > 2 or any(f not in FMT_CODES for f in mx):
         raise ValueError(f"formats: at most two of {list(FMT_CODES)}, got {formats}")
@@ -395,6 +406,7 @@ def plan_tokens(
         H=h, L=length, D=d, BLOCK_T=block_t, SMOOTH=smooth, WRITE_NONE=write_none,
         FMT1=FMT_CODES[mx[0]] if mx else 0, FMT2=FMT_CODES[mx[1]] if len(mx) > 1 else 0,
         FOLDED=folded, RCEIL=scale_rule == "rceil", POW2=pow2, HW_CVT=HW_CVT,
+        SIGNS=signs, ROTATE=rotating and bool(mx), INV_SQRT_D=inv_sqrt_d,
     )
     return plan
 
@@ -412,14 +424,17 @@ def quantize_tokens(
     mean: torch.Tensor | None = None,
     write_none: bool = False,
     pow2_scales: bool = False,
+    rotate: str = "none",
 ) -> dict[str, Operand]:
     """Quantize x (B, H, L, D) along D for each MX format in `formats`.
 
     mean: (B, H, D) float32 to subtract first (K smoothing). write_none: also
     return the (smoothed) values rounded to x's dtype under the key "none".
-    pow2_scales: folded operands also get `Operand.scales`.
+    pow2_scales: folded operands also get `Operand.scales`. rotate: the
+    rotation (dma_compile.rotation) applied after smoothing, before the MX
+    formats (not to "none").
     """
-    plan = plan_tokens(x, formats, mx_mode, scale_rule, mean, write_none, pow2_scales)
+    plan = plan_tokens(x, formats, mx_mode, scale_rule, mean, write_none, pow2_scales, rotate)
     _launch_tokens(plan)
     return plan.operands
 
@@ -452,7 +467,7 @@ def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool) 
 
 
 _SHARED_TOKEN_ARGS = ("X", "sx_b", "sx_h", "sx_l", "sx_d", "OUT1", "EXPS1", "SCALES1", "OUT2", "EXPS2", "SCALES2",
-                      "BLOCK_T", "FMT1", "FMT2", "FOLDED", "RCEIL", "POW2")
+                      "BLOCK_T", "FMT1", "FMT2", "FOLDED", "RCEIL", "POW2", "SIGNS", "ROTATE", "INV_SQRT_D")
 
 
 def _shared_token_args(plan: TokenPlan | None, placeholder: torch.Tensor) -> tuple[dict, int]:
@@ -462,7 +477,7 @@ def _shared_token_args(plan: TokenPlan | None, placeholder: torch.Tensor) -> tup
         p = placeholder
         return dict(X=p, sx_b=0, sx_h=0, sx_l=0, sx_d=0, OUT1=p, EXPS1=p, SCALES1=p, OUT2=p, EXPS2=p, SCALES2=p,
                     HX=1, LX=1, N_TOKEN_BLOCKS=1, DX=32, BLOCK_T=8, FMT1=0, FMT2=0, FOLDED=True, RCEIL=True,
-                    POW2=False), 0
+                    POW2=False, SIGNS=p, ROTATE=False, INV_SQRT_D=1.0), 0
     a = plan.args
     args = {name: a[name] for name in _SHARED_TOKEN_ARGS}
     args.update(HX=a["H"], LX=a["L"], DX=a["D"], N_TOKEN_BLOCKS=plan.blocks_per_head)

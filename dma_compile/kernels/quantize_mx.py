@@ -11,8 +11,10 @@ scale per block of 32 along the head dimension, bit-identical to
   token, which is `tl.dot_scaled`'s [rows, K // 32] for both operands.
 
 Optionally it also writes the (smoothed) values rounded to the input dtype
-(format "none"). Rounding, scale rule and e4m3 encoding are the helpers of
-`dma_compile.kernels.numerics` (shared with the Hopper kernel, whose pass
+(format "none"). A rotating policy's rotation (kernels/hadamard.py) comes
+after smoothing and before the MX formats, never in "none". Rounding, scale
+rule and e4m3 encoding are the helpers of `dma_compile.kernels.numerics`
+(shared with the Hopper kernel, whose pass
 writes dequantized bf16 instead, which Blackwell's block-scaled MMA does not
 need); the e5m2 and packed-e2m1 encoders live here. All are integer/float
 arithmetic, bit-exact on every device and in the interpreter.
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
 from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.numerics import (
     FMT_CODES,
@@ -100,11 +103,12 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
 @triton.jit
 def _mx_payload_kernel(
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, PAYLOAD1, SCALES1, PAYLOAD2, SCALES2,
+    MEAN, NONE_OUT, PAYLOAD1, SCALES1, PAYLOAD2, SCALES2, SIGNS,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr,
+    ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -122,6 +126,8 @@ def _mx_payload_kernel(
     if WRITE_NONE:
         dst = NONE_OUT + (pid_bh.to(tl.int64) * L + t[:, None, None]) * D + d
         tl.store(dst, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
+    if ROTATE:
+        x = rotate_rows(x, tl.load(SIGNS + (d + t[:, None, None] * 0)), D, INV_SQRT_D)
     if FMT1 != 0:
         _store_mx(x, PAYLOAD1, SCALES1, pid_bh, t, t_ok, L, D, FMT1, RCEIL)
     if FMT2 != 0:
@@ -147,12 +153,14 @@ def quantize_payloads(
     scale_rule: str = "rceil",
     mean: torch.Tensor | None = None,
     write_none: bool = False,
+    rotate: str = "none",
 ) -> dict[str, MXPayload | torch.Tensor]:
     """MX payloads and scales of x (B, H, L, D) for each MX format in `formats`.
 
     mean: (B, H, D) float32 subtracted first (K smoothing). write_none: also
     return the (smoothed) values rounded to x's dtype, (B, H, L, D) contiguous,
-    under the key "none". One pass over x for up to two formats.
+    under the key "none". rotate: the rotation (dma_compile.rotation) of the
+    MX formats' input, after smoothing. One pass over x for up to two formats.
     """
     b, h, length, d = x.shape
     if d % 32 != 0 or d & (d - 1):
@@ -162,6 +170,7 @@ def quantize_payloads(
         raise ValueError(f"formats: at most two of {list(FMT_CODES)} (plus 'none'), got {formats}")
     if not mx and not write_none:
         return {}
+    signs, rotating, inv_sqrt_d = rotation_arguments(x, rotate)
     result: dict[str, MXPayload | torch.Tensor] = {}
     outs = []
     for fmt in mx:
@@ -182,11 +191,11 @@ def quantize_payloads(
     _mx_payload_kernel[(cdiv(length, block_t), b * h)](
         x, *x.stride(),
         mean.contiguous() if mean is not None else x, none_out,
-        outs[0][0], outs[0][1], outs[1][0], outs[1][1],
+        outs[0][0], outs[0][1], outs[1][0], outs[1][1], signs,
         h, length,
         D=d, BLOCK_T=block_t, SMOOTH=mean is not None, WRITE_NONE=write_none,
         FMT1=FMT_CODES[mx[0]] if mx else 0, FMT2=FMT_CODES[mx[1]] if len(mx) > 1 else 0,
-        RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT,
+        RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT, ROTATE=rotating and bool(mx), INV_SQRT_D=inv_sqrt_d,
         num_warps=4,
     )
     return result

@@ -33,6 +33,7 @@ from dma_compile.formats import BLOCK_SIZE
 from dma_compile.ops import MAX_HEAD_DIM, check_impl  # also registers torch.ops.dma.attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
 from dma_compile.validate import INPUT_DTYPES
+from dma_compile.rotation import is_power_of_two
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +269,8 @@ def unsupported_reason(args: dict, policy: AttentionPolicy) -> str | None:
         return f"head_dim {max(head_dim, v_head_dim)} > {MAX_HEAD_DIM}"
     if policy.uses_mx and head_dim % BLOCK_SIZE:
         return f"head_dim {head_dim} is not a multiple of {BLOCK_SIZE} (the policy uses MX formats)"
+    if policy.uses_mx and policy.rotate != "none" and not is_power_of_two(head_dim):
+        return f"head_dim {head_dim} is not a power of two (the policy rotates Q and K: rotate={policy.rotate})"
     if not (_same(k.shape[0], q.shape[0]) and _same(v.shape[0], q.shape[0])):
         return "batch sizes of query/key/value differ (SDPA broadcasting)"
     # A KV cache's keys and values carry two length symbols that no guard ties
