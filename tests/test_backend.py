@@ -280,7 +280,7 @@ def test_compiled_generate_with_inductor_runs_dma_in_every_graph(seed):
     model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=3, do_sample=False)
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert len(backend.reports) >= 3
     assert all(len(r.rewritten) == 2 and not r.kept for r in backend.reports), [
         [s.reason for s in r.kept] for r in backend.reports

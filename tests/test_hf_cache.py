@@ -43,7 +43,7 @@ def test_fp8_cache_is_close_and_generate_runs(seed):
         assert 0 < err < 0.05, f"seed {seed}: {err}"
         cache = dma_compile.hf.DMACache(dma, FP8)
         tokens = dma.generate(ids[:, :10], **dma_compile.hf.cache_kwargs(dma, cache), max_new_tokens=30,
-                              do_sample=False, pad_token_id=0)
+                              min_new_tokens=30, do_sample=False, pad_token_id=0)
     # Past the 32 sink tokens and the 4 recent ones, the cache holds quantized tokens.
     layer = cache.layers[0].store
     assert tokens.shape == (1, 40) and layer.max_length == 39 and layer.k_scales is not None

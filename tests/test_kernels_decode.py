@@ -62,6 +62,20 @@ def test_fp16_small_values_and_no_window(seed):
     assert out.abs().max() > 1e-7
 
 
+@pytest.mark.parametrize("k_fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+@pytest.mark.parametrize("q_scale", [3e5, 1e-6])
+def test_queries_outside_fp16s_range(k_fmt, q_scale, seed):
+    """The quantized keys multiply q in fp16 after a power-of-two scaling per
+    row: queries far above fp16's largest value or far below its smallest
+    normal one (bf16 holds both) still match the reference."""
+    policy = BASE.replace(cache_k=k_fmt, cache_v="mxfp8_e4m3")
+    cache = _cache(policy, 2, 1, 64, [90, 57], torch.bfloat16)
+    q = (torch.randn(2, 2, 1, 64, device=DEVICE) * q_scale).bfloat16()
+    scale = 1.0 / (8.0 * q_scale)
+    out = _check(cache, q, chunk=16, scale=scale)
+    assert torch.isfinite(out).all()
+
+
 def test_chunking_does_not_change_the_result(seed):
     policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
     cache = _cache(policy, 1, 1, 32, [120], torch.bfloat16)
