@@ -32,8 +32,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from dma_compile.formats import BLOCK_SIZE
 from dma_compile.ops import MAX_HEAD_DIM, check_impl  # also registers torch.ops.dma.attention
 from dma_compile.policy import AttentionPolicy, ModelPolicy, default_policy
-from dma_compile.validate import INPUT_DTYPES
 from dma_compile.rotation import is_power_of_two
+from dma_compile.validate import INPUT_DTYPES
 
 logger = logging.getLogger(__name__)
 
