@@ -36,9 +36,21 @@ def describe(ptx: str) -> dict:
 
 
 def compile_all() -> dict:
-    from dma_compile.kernels.attention_sm90_gluon import compile_sm90_gluon
+    """Each configuration at the block width the kernel would run it with:
+    the wide one, or the narrow one where the wide one spills with this
+    Triton (attention_sm90_gluon.default_block_n reads that off the launch)."""
+    from dma_compile.kernels.attention_sm90_gluon import NARROW_BLOCK_N, WIDE_BLOCK_N, compile_sm90_gluon
 
-    return compile_configs(compile_sm90_gluon, CONFIGS, describe)
+    result = compile_configs(lambda p, **kw: compile_sm90_gluon(p, block_n=WIDE_BLOCK_N, **kw), CONFIGS, describe)
+    for name, info in result["configs"].items():
+        info["block_n"] = WIDE_BLOCK_N
+        if info.get("local_loads") or info.get("local_stores"):
+            config = [c for c in CONFIGS if c[0] == name]
+            narrow = compile_configs(lambda p, **kw: compile_sm90_gluon(p, block_n=NARROW_BLOCK_N, **kw),
+                                     config, describe)["configs"][name]
+            result["configs"][name] = {**narrow, "block_n": NARROW_BLOCK_N,
+                                       "wide_spills": [info["local_loads"], info["local_stores"]]}
+    return result
 
 
 def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
@@ -50,7 +62,9 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
         assert info["mbarrier_waits"] > 0 and info["tma_loads"] > 0, f"{name}: no TMA + mbarrier pipeline"
         assert info["wgmma_waits"] > 0, f"{name}: wgmma not asynchronous"
         if "local_loads" in info:
+            # The width the kernel runs: spill-free, and the wide one unless it spilled.
             assert info["local_loads"] == 0 and info["local_stores"] == 0, f"{name}: spills {info}"
+            assert info["block_n"] == 128 or info["wide_spills"] != [0, 0], name
     assert kinds["hopper_causal"] == {"bf16xbf16", "e4m3xe4m3"}
     assert kinds["hopper_fp8pv_fp16_d64"] == {"f16xf16", "e4m3xe4m3"}
     assert kinds["paper_folded_causal"] == {"e4m3xe4m3", "bf16xbf16"}
@@ -60,12 +74,13 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
 def _print_table(result: dict) -> None:
     from tabulate import tabulate
 
-    rows = [[name, ", ".join(f"{k} x{n}" for k, n in sorted(info["wgmma"].items())), info["setmaxnreg"],
+    rows = [[name, info["block_n"], ", ".join(f"{k} x{n}" for k, n in sorted(info["wgmma"].items())),
+             info["setmaxnreg"],
              info["mbarrier_waits"], info.get("reg", "?"), info.get("stack", "?"),
              f"{info.get('local_loads', '?')}/{info.get('local_stores', '?')}"]
             for name, info in result["configs"].items()]
     print(f"Triton {result['triton']}: the Gluon sm90 kernel compiled for sm_90a")
-    print(tabulate(rows, headers=["configuration", "wgmma (A x B)", "setmaxnreg", "mbarrier waits",
+    print(tabulate(rows, headers=["configuration", "keys per block", "wgmma (A x B)", "setmaxnreg", "mbarrier waits",
                                   "registers", "stack", "LDL/STL"]))
 
 

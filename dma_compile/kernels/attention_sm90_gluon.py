@@ -25,6 +25,8 @@ e4m3 V^T with per-channel scales). The calls it does not serve (see
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
@@ -53,6 +55,8 @@ from dma_compile.kernels.gluon_compat import (
 from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.schedule import collapse_expanded_heads
 from dma_compile.policy import AttentionPolicy
+
+logger = logging.getLogger(__name__)
 
 # Query rows of one consumer warpgroup (one wgmma M of 64) and of a program.
 ROWS = gl.constexpr(64)
@@ -142,16 +146,22 @@ def _block_start(i, n0, r0s, r1s, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _produce_class(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, b, hk,
-                   r0s, r0e, r1s, r1e, v_count, PV_FP8: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr):
+def _produce_class(k_desc, ks_desc, v_desc, k_ring, ks_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                   b, hk, kv_row, r0s, r0e, r1s, r1e, v_count, KIND: gl.constexpr, PV_FP8: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     n0 = gl.cdiv(r0e - r0s, BLOCK_N)
     n = n0 + gl.cdiv(r1e - r1s, BLOCK_N)
     for i in range(n):
         start = _block_start(i, n0, r0s, r1s, BLOCK_N)
         s = i % STAGES
         mbarrier.wait(k_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        if KIND == 1:
+            # Folded K's per-key powers of two travel with their block: the
+            # consumers read them from shared memory, holding no prefetch registers.
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
+            tma_load(ks_desc, [kv_row + start], k_ready.index(s), ks_ring.index(s))
+        else:
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma_load(k_desc, [b, hk, start, 0], k_ready.index(s), k_ring.index(s))
         vs = v_count % STAGES
         mbarrier.wait(v_empty.index(vs), ((v_count // STAGES) & 1) ^ 1)
@@ -165,20 +175,24 @@ def _produce_class(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_
 
 
 @gluon.jit
-def _producer(k_lo_desc, k_hi_desc, v_desc, k_lo_ring, k_hi_ring, v_ring, barriers, scalars,
-              TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
+def _producer(k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring,
+              v_ring, barriers, scalars, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr,
+              PV_FP8: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Loads every key block the consumers visit, in their order: the low
     format's ranges, then the high format's."""
     k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
-    m0, b, hk, Lq, Lk, SINK_TILES, DIAG_TILES = scalars
+    m0, b, hk, Hk, Lq, Lk, SINK_TILES, DIAG_TILES = scalars
     l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
                                                          TILE, IS_CAUSAL, ONE_CLASS)
-    v_count = _produce_class(k_lo_desc, v_desc, k_lo_ring, v_ring, k_lo_ready, k_lo_empty, v_ready, v_empty,
-                             b, hk, l0s, l0e, l1s, l1e, _runtime_zero(), PV_FP8, BLOCK_N, STAGES)
+    kv_row = (b * Hk + hk) * Lk
+    v_count = _produce_class(k_lo_desc, ks_lo_desc, v_desc, k_lo_ring, ks_lo_ring, v_ring, k_lo_ready, k_lo_empty,
+                             v_ready, v_empty, b, hk, kv_row, l0s, l0e, l1s, l1e, _runtime_zero(),
+                             LO_KIND, PV_FP8, BLOCK_N, STAGES)
     if not ONE_CLASS:
-        _produce_class(k_hi_desc, v_desc, k_hi_ring, v_ring, k_hi_ready, k_hi_empty, v_ready, v_empty,
-                       b, hk, h0s, h0e, h1s, h1e, v_count, PV_FP8, BLOCK_N, STAGES)
+        _produce_class(k_hi_desc, ks_hi_desc, v_desc, k_hi_ring, ks_hi_ring, v_ring, k_hi_ready, k_hi_empty,
+                       v_ready, v_empty, b, hk, kv_row, h0s, h0e, h1s, h1e, v_count,
+                       HI_KIND, PV_FP8, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -195,13 +209,12 @@ def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _key_scales(ks_ptr, start, valid, Lk, KIND: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Folded K's per-key powers of two for the block at `start` (ones for
-    16-bit formats). Loaded a block ahead of their use: a load's latency on
-    every block's critical path would cost as much as its matmuls."""
-    offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+def _key_scales(ks_ring, s, KIND: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Folded K's per-key powers of two for the block in stage s (ones for
+    16-bit formats). Read before the stage is released; keys past Lk read
+    zeros or the next head's scales, which the mask in `_scores` discards."""
     if KIND == 1:
-        ks = gl.load(ks_ptr + offs_n, mask=(offs_n < Lk) & valid, other=0.0)
+        ks = ks_ring.index(s).load(gl.SliceLayout(0, s_layout))
     else:
         ks = gl.full([BLOCK_N], 1.0, gl.float32, gl.SliceLayout(0, s_layout))
     return ks
@@ -258,8 +271,8 @@ def _v_operand(v_ring, vs, PV_FP8: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM
 
 
 @gluon.jit
-def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, k_ready, k_empty,
-                   v_ring, v_ready, v_empty, turns, ks_ptr, rows, row0, Lk, r0s, r0e, r1s, r1e,
+def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, ks_ring, k_ready, k_empty,
+                   v_ring, v_ready, v_empty, turns, rows, row0, Lk, r0s, r0e, r1s, r1e,
                    WG: gl.constexpr, KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_FP8: gl.constexpr,
                    PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, o_layout: gl.constexpr):
@@ -272,10 +285,8 @@ def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, k_read
     if n > 0:
         zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         start = _block_start(0, n0, r0s, r1s, BLOCK_N)
-        ks = _key_scales(ks_ptr, start, True, Lk, KIND, s_layout, BLOCK_N)
-        next_start = _block_start(1, n0, r0s, r1s, BLOCK_N)
-        ks_next = _key_scales(ks_ptr, next_start, n > 1, Lk, KIND, s_layout, BLOCK_N)
         mbarrier.wait(k_ready.index(0), 0)
+        ks = _key_scales(ks_ring, 0, KIND, s_layout, BLOCK_N)
         _take_turn(turns, turn, WG, PINGPONG)
         s_tok = warpgroup_mma(q_smem, k_ring.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
@@ -288,13 +299,11 @@ def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, k_read
         l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)
         acc = acc * alpha[:, None]
         for i in range(1, n):
-            start = next_start
-            ks = ks_next
-            next_start = _block_start(i + 1, n0, r0s, r1s, BLOCK_N)
-            ks_next = _key_scales(ks_ptr, next_start, i + 1 < n, Lk, KIND, s_layout, BLOCK_N)
+            start = _block_start(i, n0, r0s, r1s, BLOCK_N)
             s = i % STAGES
             vs = v_count % STAGES
             mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+            ks = _key_scales(ks_ring, s, KIND, s_layout, BLOCK_N)
             mbarrier.wait(v_ready.index(vs), (v_count // STAGES) & 1)
             _take_turn(turns, turn, WG, PINGPONG)
             s_tok = warpgroup_mma(q_smem, k_ring.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
@@ -344,7 +353,8 @@ def _row_scale(QS, bh_row0, rows, Lq, sm_scale, KIND: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_ring, barriers, scalars,
+def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring,
+              barriers, scalars,
               TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
               HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, PINGPONG: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -354,7 +364,7 @@ def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_
     precision classes, then the epilogue."""
     k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
     m0, b, h, hk, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale = scalars
-    Q_LO, QS_LO, KS_LO, Q_HI, QS_HI, KS_HI, VSCALE, O = ptrs
+    Q_LO, QS_LO, Q_HI, QS_HI, VSCALE, O = ptrs
     sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d = strides
     q_lo_smem, q_hi_smem = q_smems
     row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -377,13 +387,13 @@ def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
     acc, m_i, l_i, v_count, turn = _consume_class(
         acc, m_i, l_i, _runtime_zero(), _runtime_zero(), q_lo, _row_scale(QS_LO, q_row0, rows, Lq, sm_scale, LO_KIND),
-        k_lo_ring, k_lo_ready, k_lo_empty, v_ring, v_ready, v_empty, turns, KS_LO + kv_head * Lk, rows, m0 + WG * ROWS, Lk,
+        k_lo_ring, ks_lo_ring, k_lo_ready, k_lo_empty, v_ring, v_ready, v_empty, turns, rows, m0 + WG * ROWS, Lk,
         l0s, l0e, l1s, l1e, WG, LO_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
         s_lo_layout, o_layout)
     if not ONE_CLASS:
         acc, m_i, l_i, v_count, turn = _consume_class(
             acc, m_i, l_i, v_count, turn, q_hi, _row_scale(QS_HI, q_row0, rows, Lq, sm_scale, HI_KIND),
-            k_hi_ring, k_hi_ready, k_hi_empty, v_ring, v_ready, v_empty, turns, KS_HI + kv_head * Lk, rows, m0 + WG * ROWS, Lk,
+            k_hi_ring, ks_hi_ring, k_hi_ready, k_hi_empty, v_ring, v_ready, v_empty, turns, rows, m0 + WG * ROWS, Lk,
             h0s, h0e, h1s, h1e, WG, HI_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
             s_hi_layout, o_layout)
 
@@ -393,15 +403,19 @@ def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_
     # A row with every key masked has l = 0 and outputs zeros, as SDPA.
     empty = l_i == 0.0
     out = gl.where(empty[:, None], 0.0, acc / gl.where(empty, 1.0, l_i)[:, None])
-    o_ptr = O + b64 * so_b + h64 * so_h + rows[:, None].to(gl.int64) * so_m + d[None, :] * so_d
-    gl.store(o_ptr, out.to(O.dtype.element_ty), mask=(rows < Lq)[:, None])
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    out = gl.convert_layout(out.to(O.dtype.element_ty), out_layout)
+    r_o = m0 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+    d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
+    o_ptr = O + b64 * so_b + h64 * so_h + r_o[:, None].to(gl.int64) * so_m + d_o[None, :] * so_d
+    gl.store(o_ptr, out, mask=(r_o < Lq)[:, None])
 
 
 @gluon.jit
 def _dma_attention_gluon_kernel(
-    Q_LO, QS_LO, KS_LO, Q_HI, QS_HI, KS_HI, VSCALE, O,
+    Q_LO, QS_LO, Q_HI, QS_HI, VSCALE, O,
     sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d,
-    k_lo_desc, k_hi_desc, v_desc,
+    k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc,
     sm_scale, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES,
     HEAD_DIM: gl.constexpr, TILE: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
     ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
@@ -425,6 +439,8 @@ def _dma_attention_gluon_kernel(
     else:
         k_hi_ring = gl.allocate_shared_memory(k_hi_desc.dtype, [STAGES] + k_hi_desc.block_type.shape,
                                               k_hi_desc.layout)
+    ks_lo_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_lo_desc.layout)
+    ks_hi_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_hi_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     k_lo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_lo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -445,18 +461,18 @@ def _dma_attention_gluon_kernel(
         mbarrier.init(turns.index(i), count=1)
 
     barriers = (k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns)
-    ptrs = (Q_LO, QS_LO, KS_LO, Q_HI, QS_HI, KS_HI, VSCALE, O)
+    ptrs = (Q_LO, QS_LO, Q_HI, QS_HI, VSCALE, O)
     strides = (sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d)
     scalars = (m0, b, h, hk, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale)
     q_smems = (q_lo_smem, q_hi_smem)
-    producer_args = (k_lo_desc, k_hi_desc, v_desc, k_lo_ring, k_hi_ring, v_ring, barriers,
-                     (m0, b, hk, Lq, Lk, SINK_TILES, DIAG_TILES),
-                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, BLOCK_N, STAGES)
+    producer_args = (k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, k_lo_ring, k_hi_ring,
+                     ks_lo_ring, ks_hi_ring, v_ring, barriers, (m0, b, hk, Hk, Lq, Lk, SINK_TILES, DIAG_TILES),
+                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, BLOCK_N, STAGES)
     gl.warp_specialize([
-        (_consumer, (0, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_ring, barriers, scalars,
+        (_consumer, (0, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars,
                      TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
                      s_lo_layout, s_hi_layout, o_layout, load_layout)),
-        (_consumer, (1, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, v_ring, barriers, scalars,
+        (_consumer, (1, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars,
                      TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
                      s_lo_layout, s_hi_layout, o_layout, load_layout)),
         (_producer, producer_args),
@@ -464,7 +480,7 @@ def _dma_attention_gluon_kernel(
 
 
 def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
-                 block_n: int = 64, stages: int = 2, pingpong: bool = True) -> dict:
+                 block_n: int = 128, stages: int = 2, pingpong: bool = True) -> dict:
     """The kernel's arguments by name. shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
     b, hq, hk, lq, lk, d, dv = shape
     pv_fp8 = policy.pv == "fp8"
@@ -487,15 +503,19 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
     def placeholder(x):
         return x if x is not None else qi.q_lo.values
 
+    def ks_descriptor(scales):
+        flat = _scale_rows(scales) if scales is not None else _no_scales(qi.q_lo.values.device, block_n)
+        return TensorDescriptor(flat, [flat.numel()], [1], [block_n], _KS_LAYOUT)
+
     q_lo, q_hi = qi.q_lo.values, qi.q_hi.values
     return dict(
-        Q_LO=q_lo, QS_LO=placeholder(qi.q_lo.scales), KS_LO=placeholder(qi.k_lo.scales),
-        Q_HI=q_hi, QS_HI=placeholder(qi.q_hi.scales), KS_HI=placeholder(qi.k_hi.scales),
+        Q_LO=q_lo, QS_LO=placeholder(qi.q_lo.scales), Q_HI=q_hi, QS_HI=placeholder(qi.q_hi.scales),
         VSCALE=placeholder(qi.v_scales), O=out,
         sql_b=q_lo.stride(0), sql_h=q_lo.stride(1), sql_m=q_lo.stride(2), sql_d=q_lo.stride(3),
         sqh_b=q_hi.stride(0), sqh_h=q_hi.stride(1), sqh_m=q_hi.stride(2), sqh_d=q_hi.stride(3),
         so_b=out.stride(0), so_h=out.stride(1), so_m=out.stride(2), so_d=out.stride(3),
         k_lo_desc=k_lo, k_hi_desc=k_hi, v_desc=v_desc,
+        ks_lo_desc=ks_descriptor(qi.k_lo.scales), ks_hi_desc=ks_descriptor(qi.k_hi.scales),
         sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
         SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,
@@ -506,6 +526,32 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         o_layout=gl.NVMMADistributedLayout([3, 0], [4, 1], [16, dv, 32 if pv_fp8 else 16]),
         load_layout=gl.BlockedLayout([1, 8], [32 // (d // 8), d // 8], [4, 1], [1, 0]),
     )
+
+
+_KS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_scales(device: torch.device, block_n: int) -> torch.Tensor:
+    """What a 16-bit class's scale descriptor points at (it is never read)."""
+    return torch.ones(block_n, dtype=torch.float32, device=device)
+
+
+def _scale_rows(scales: torch.Tensor) -> torch.Tensor:
+    """Folded K's scales (B, Hkv, Lk) as one dimension over every KV head's
+    keys (no row stride to align, so any Lk works; a block past a head's end
+    reads the next head's scales), rounded up to whole 16 bytes as a bulk copy
+    requires: into the storage's slack where the quantization pass left it
+    (`quantize._scale_rows`), else into a padded copy."""
+    flat = scales.reshape(-1)
+    n = flat.numel()
+    padded = -(-n // 4) * 4
+    room = flat.untyped_storage().nbytes() // flat.element_size() - flat.storage_offset()
+    if padded == n:
+        return flat
+    if flat.is_contiguous() and room >= padded:
+        return flat.as_strided((padded,), (1,))
+    return torch.cat([flat, flat.new_zeros(padded - n)])
 
 
 _GL_DTYPES = {
@@ -537,12 +583,40 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
 def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
                                    **variant) -> torch.Tensor:
     """The attention kernel alone, on the quantization pass's output
-    (`attention_sm90.quantize_inputs`). shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
-    b, hq, _, lq, _, _, dv = shape
+    (`attention_sm90.quantize_inputs`). shape: (B, Hq, Hkv, Lq, Lk, D, Dv).
+
+    Without an explicit `block_n` the kernel takes 128 keys per block, or 64
+    where the compiler spilled registers at 128 (`default_block_n`)."""
+    b, hq, _, lq, _, d, dv = shape
     out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
+    key = None
+    if "block_n" not in variant:
+        key = (policy, d, qi.out_dtype, bool(is_causal), tuple(sorted(variant.items())))
+        variant = {**variant, "block_n": default_block_n(key)}
     args = _kernel_args(qi, out, shape, is_causal, scale, policy, **variant)
-    _dma_attention_gluon_kernel[(triton.cdiv(lq, BLOCK_M.value), b * hq)](**args, num_warps=4, maxnreg=MAXNREG)
+    compiled = _dma_attention_gluon_kernel[(triton.cdiv(lq, BLOCK_M.value), b * hq)](
+        **args, num_warps=4, maxnreg=MAXNREG)
+    if key is not None and variant["block_n"] == WIDE_BLOCK_N and getattr(compiled, "n_spills", 0) > 0:
+        _SPILLED_WIDE.add(key)
+        logger.info("the Gluon sm90 kernel spills registers at %d keys per block for %s (D %d, %s, causal %s) "
+                    "with this Triton; using %d from the next call on", WIDE_BLOCK_N, policy, d, qi.out_dtype,
+                    bool(is_causal), NARROW_BLOCK_N)
     return out
+
+
+# Keys per block. A wider block spreads each iteration's fixed work (waits,
+# releases, the accumulator's rescale) over more keys but holds more
+# registers; which configurations the compiler keeps in registers at the wide
+# one differs between Triton versions, so it is read off the compiled kernel.
+WIDE_BLOCK_N = 128
+NARROW_BLOCK_N = 64
+_SPILLED_WIDE: set = set()
+
+
+def default_block_n(key) -> int:
+    """The block width for a compile key (policy, D, dtype, causal, variant):
+    the wide one unless a launch of it spilled."""
+    return NARROW_BLOCK_N if key in _SPILLED_WIDE else WIDE_BLOCK_N
 
 
 def compile_sm90_gluon(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: int = 128,
