@@ -32,9 +32,10 @@ def count_matches(pattern: re.Pattern, text: str, key=lambda m: m.group(0)) -> d
 
 
 def resources(cubin: bytes) -> dict:
-    """Registers per thread, stack-frame bytes (spills show there) and the
-    local-memory loads and stores in the machine code (spills themselves),
-    read with the cuobjdump Triton's wheel ships; empty where it has none."""
+    """Registers per thread, stack-frame bytes (spills show there), the
+    local-memory loads and stores in the machine code (spills themselves)
+    and its shared-memory instructions (layout conversions go through
+    them), read with the cuobjdump Triton's wheel ships; empty where it has none."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -47,7 +48,8 @@ def resources(cubin: bytes) -> dict:
         sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
     found = {key: re.search(rf"{key}:(\d+)", text) for key in ("REG", "STACK")}
     return {**{key.lower(): int(m.group(1)) for key, m in found.items() if m},
-            "local_loads": len(re.findall(r"\bLDL\b", sass)), "local_stores": len(re.findall(r"\bSTL\b", sass))}
+            "local_loads": len(re.findall(r"\bLDL\b", sass)), "local_stores": len(re.findall(r"\bSTL\b", sass)),
+            "shared_ops": len(re.findall(r"\b(?:LDS|STS|LDSM|STSM)\b", sass))}
 
 
 def compile_configs(compile_fn, configs, describe) -> dict:

@@ -4,12 +4,24 @@
 same float32 operations and order as `rotation.rotate` (signs, log2(D)
 butterfly stages, one multiply by 1 / sqrt(D)), so it gives the same bits;
 the quantization passes (quantize.py, quantize_mx.py) call it between K
-smoothing and MX quantization. Stage s views each row as (D / 2s, 2, s),
-brings the pair axis last (a free transpose of the layout), splits it into
-(a, b) and joins (a + b, a - b) back in place. Stages whose pairs lie in one
-thread's registers stay there; the compiler moves data between threads only
-for the wider ones (compiled for sm_90: no spills; the share of the pass it
-costs is measured by benchmarks/bench_attention.py --rotate).
+smoothing and MX quantization, and kernels/rotate.py on its own.
+
+Two forms of the stages, the same additions in the same order:
+
+- general: stage s views each row as (D / 2s, 2, s), brings the pair axis
+  last (a free transpose of the layout), splits it into (a, b) and joins
+  (a + b, a - b) back in place. The split needs the pair in one thread, so
+  every stage whose pair the layout spreads over threads costs a layout
+  conversion through shared memory;
+- blocks in registers (`IN_THREAD`, for x of shape (T, D / 32, 32) that the
+  caller lays out with each token's MX blocks in one thread, at most two
+  lanes per block: the token pass with 64 tokens per program, whose
+  16-byte loads and stores give each thread half of every block of one
+  token): stage s views x with the pair as an axis of size 2 and takes
+  a + b and a - b as sums over it, of x and of x times (1, -1). A sum over
+  registers is one addition (the multiply by -1 folds into it), one over
+  the two lanes of a block is a shuffle and an addition, and the result
+  keeps x's layout: no conversion, no shared memory.
 """
 
 from __future__ import annotations
@@ -36,12 +48,47 @@ def _butterfly(x, D: tl.constexpr):
 
 
 @triton.jit
-def rotate_rows(x, signs, D: tl.constexpr, INV_SQRT_D: tl.constexpr):
+def _pair_sums(p, AXIS: tl.constexpr):
+    """(a + b, a - b) in place of each pair (a, b) along axis AXIS (2 or 3, size 2) of p (5-D)."""
+    if AXIS == 2:
+        i = tl.arange(0, 2)[None, None, :, None, None]
+    else:
+        i = tl.arange(0, 2)[None, None, None, :, None]
+    total = tl.expand_dims(tl.sum(p, axis=AXIS), AXIS)
+    difference = tl.expand_dims(tl.sum(p * (1 - 2 * i).to(tl.float32), axis=AXIS), AXIS)
+    return tl.where(i == 0, total, difference)
+
+
+@triton.jit
+def _butterfly_blocks(x):
+    """`_butterfly` of float32 x (T, NB, 32) along its flattened trailing
+    dims (index 32 * block + j), for a layout with each token's blocks in
+    one thread (see the module docstring); stages within a block first,
+    as in the flat order."""
+    T: tl.constexpr = x.shape[0]
+    NB: tl.constexpr = x.shape[1]
+    for stage in tl.static_range(5):
+        p = tl.reshape(x, [T, NB, 16 >> stage, 2, 1 << stage])
+        x = tl.reshape(_pair_sums(p, 3), [T, NB, 32])
+    for stage in tl.static_range(16):
+        if (1 << stage) < NB:
+            p = tl.reshape(x, [T, NB // (2 << stage), 2, 1 << stage, 32])
+            x = tl.reshape(_pair_sums(p, 2), [T, NB, 32])
+    return x
+
+
+@triton.jit
+def rotate_rows(x, signs, D: tl.constexpr, INV_SQRT_D: tl.constexpr, IN_THREAD: tl.constexpr = False):
     """x (T, ..., D in its trailing dims) times the rotation with sign vector
-    `signs` (x's shape): signs, butterfly, normalization, as rotation.rotate."""
+    `signs` (x's shape): signs, butterfly, normalization, as rotation.rotate.
+    IN_THREAD: x is (T, D / 32, 32) with each token's blocks in one thread
+    (module docstring); the same bits, without layout conversions."""
     shape: tl.constexpr = x.shape
-    y = _butterfly(tl.reshape(x * signs, [shape[0], D]), D)
-    return tl.reshape(y, shape) * INV_SQRT_D
+    if IN_THREAD:
+        y = _butterfly_blocks(x * signs)
+    else:
+        y = tl.reshape(_butterfly(tl.reshape(x * signs, [shape[0], D]), D), shape)
+    return y * INV_SQRT_D
 
 
 @functools.lru_cache(maxsize=None)

@@ -134,7 +134,9 @@ def _quantize_token_block(
     if WRITE_NONE:
         tl.store(NONE_OUT + out_offs, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
     if ROTATE:
-        x = rotate_rows(x, tl.load(SIGNS + (d + t * 0)), D, INV_SQRT_D)
+        # 64 tokens or more (`_token_block`) fill the 4 warps' 16 token rows
+        # each, so each thread holds half of every block of its token.
+        x = rotate_rows(x, tl.load(SIGNS + (d + t * 0)), D, INV_SQRT_D, BLOCK_T >= 64)
     if FMT1 != 0:
         amax, bad = block_amax(x)
         _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, SCALES1, out_offs, row_offs,
@@ -337,9 +339,19 @@ class Operand:
     scales: torch.Tensor | None = None
 
 
-def _token_block(d: int) -> int:
+def _token_block(d: int, rotating: bool = False) -> int:
     """Tokens per program of the token pass: 4096 elements, 32 per thread of
-    4 warps, i.e. four 16-byte loads of a 16-bit input in flight each."""
+    4 warps, i.e. four 16-byte loads of a 16-bit input in flight each.
+
+    A rotating pass at D <= 128 takes at least 64 tokens: Triton then lays
+    each token's D / 32 blocks out in one thread (the 4 warps' 16 rows of
+    threads all go to tokens), so the butterfly moves data between two
+    lanes in one stage and never through shared memory (hadamard.py). At
+    D 256 that would be 128 values per thread (spills): 16 tokens, the
+    general butterfly.
+    """
+    if rotating and d <= 128:
+        return max(64, 4096 // d)
     return max(8, 4096 // d)
 
 
@@ -400,7 +412,7 @@ def plan_tokens(
     if write_none:
         none_out = torch.empty(b, h, length, d, dtype=x.dtype, device=x.device)
         operands["none"] = Operand(none_out)
-    block_t = _token_block(d)
+    block_t = _token_block(d, rotating and bool(mx))
     plan = TokenPlan(operands, None, cdiv(length, block_t), b * h)
     if not mx and not write_none:
         return plan
