@@ -87,11 +87,14 @@ def _operand(x, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _scores(
-    q, q_even, q_odd, q16, q16_scale, kp, ks, pos, ok, stride_kt, stride_ks,
-    FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+    q, q_even, q_odd, q16, q16_scale, kp, sb, pos, ok, stride_kt, sm_scale,
+    FMT: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """q @ k^T (float32) for the keys at `pos` of a K store of format FMT
-    (kp/ks: this sequence and head's payload and scale base pointers).
+    """sm_scale * q @ k^T (float32, (W, rows, BLOCK_N)) for the keys at `pos`
+    (W, BLOCK_N) of a K store of format FMT (kp: this sequence and head's
+    payload base pointer; sb: the keys' scale bytes, `_scale_bytes`); q
+    operands are (W, rows, D or D/2), one copy per warp. q16_scale holds
+    sm_scale already.
 
     Quantized keys multiply q16 = q / q16_scale in fp16 (q_even, q_odd: its
     even and odd elements): e4m3 converts to fp16 in one instruction per
@@ -101,78 +104,133 @@ def _scores(
     elements, which then fit fp16."""
     if FMT == 3:
         dh = tl.arange(0, D // 2)
-        packed = tl.load(kp + pos[:, None] * stride_kt + dh[None, :], mask=ok[:, None], other=0)
-        db = tl.arange(0, D // 32)
-        sb = tl.load(ks + pos[:, None] * stride_ks + db[None, :], mask=ok[:, None], other=127)
-        top = tl.max(sb, 1)
-        rel = pow2_wide(sb.to(tl.int32) - top.to(tl.int32)[:, None])
-        rel = tl.reshape(tl.broadcast_to(rel[:, :, None], (BLOCK_N, D // 32, 16)), (BLOCK_N, D // 2))
+        packed = tl.load(kp + pos[:, :, None] * stride_kt + dh[None, None, :], mask=ok[:, :, None], other=0)
+        top = tl.max(sb, 2)
+        rel = pow2_wide(sb.to(tl.int32) - top.to(tl.int32)[:, :, None])
+        rel = tl.reshape(tl.broadcast_to(rel[:, :, :, None], (W, BLOCK_N, D // 32, 16)), (W, BLOCK_N, D // 2))
         k_even = _operand(_e2m1_times(packed & 15, rel, HW_CVT), tl.float16, HW_CVT)
         k_odd = _operand(_e2m1_times(packed >> 4, rel, HW_CVT), tl.float16, HW_CVT)
-        s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
-        s = s * q16_scale[:, None] * _scale_of(top)[None, :]
+        s = tl.dot(q_even, tl.trans(k_even, (0, 2, 1))) + tl.dot(q_odd, tl.trans(k_odd, (0, 2, 1)))
+        s = s * q16_scale[None, :, None] * _scale_of(top)[:, None, :]
     else:
         d = tl.arange(0, D)
-        raw = tl.load(kp + pos[:, None] * stride_kt + d[None, :], mask=ok[:, None], other=0)
+        raw = tl.load(kp + pos[:, :, None] * stride_kt + d[None, None, :], mask=ok[:, :, None], other=0)
         if FMT == 1:
-            s = tl.dot(q16, tl.trans(_e4m3_values(raw, tl.float16, HW_CVT)))
-            s = s * q16_scale[:, None] * _scale_of(tl.load(ks + pos * stride_ks, mask=ok, other=127))[None, :]
+            s = tl.dot(q16, tl.trans(_e4m3_values(raw, tl.float16, HW_CVT), (0, 2, 1)))
+            s = s * q16_scale[None, :, None] * _scale_of(sb)[:, None, :]
         else:
-            s = tl.dot(q, tl.trans(_operand(raw, q.dtype, HW_CVT)))
+            s = tl.dot(q, tl.trans(_operand(raw, q.dtype, HW_CVT), (0, 2, 1))) * sm_scale
     return s
 
 
 @triton.jit
 def _pv(
-    p, acc, vp, vs, pos, ok, stride_vt, stride_vs,
+    p, acc, vp, sb, pos, ok, stride_vt,
     FMT: tl.constexpr, DTYPE: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """acc + p @ v for the values at `pos` of a V store of format FMT.
+    """acc + p @ v for the values at `pos` (W, BLOCK_N) of a V store of format
+    FMT (sb: their scale bytes, `_scale_bytes`); p and acc are (W, rows,
+    BLOCK_N) and (W, rows, D).
 
     e4m3 values run in fp16 (see _scores). Their per-token scales 2^s split
-    into the block's largest, applied to the product, and 2^(s - largest) <= 1
+    into each warp's largest, applied to the product, and 2^(s - largest) <= 1
     folded into p: p then fits fp16 whatever the scales (a padded position's
     byte 0 scales by 2^-127, never the largest)."""
     d = tl.arange(0, D)
-    raw = tl.load(vp + pos[:, None] * stride_vt + d[None, :], mask=ok[:, None], other=0)
+    raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
     if FMT == 1:
-        scale = _scale_of(tl.load(vs + pos * stride_vs, mask=ok, other=0))
-        top = tl.max(scale, 0)
-        p = p * (scale / top)[None, :]
-        r = acc + tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT)) * top
+        scale = _scale_of(sb)
+        top = tl.max(scale, 1)
+        p = p * (scale / top[:, None])[:, None, :]
+        r = acc + tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT)) * top[:, None, None]
     else:
         r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc)
     return r
 
 
 @triton.jit
+def _scale_bytes(ptr, pos, ok, stride, FMT: tl.constexpr, OTHER: tl.constexpr, D: tl.constexpr):
+    """The scale bytes of the tokens at `pos` (W, BLOCK_N) of a store of format
+    FMT: one per token (e4m3), D / 32 (e2m1), none (a placeholder 0). A padded
+    position reads OTHER."""
+    if FMT == 3:
+        db = tl.arange(0, D // 32)
+        r = tl.load(ptr + pos[:, :, None] * stride + db[None, None, :], mask=ok[:, :, None], other=OTHER)
+    elif FMT == 1:
+        r = tl.load(ptr + pos * stride, mask=ok, other=OTHER)
+    else:
+        r = tl.zeros_like(pos).to(tl.uint8)
+    return r
+
+
+@triton.jit
+def _step(
+    acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring,
+    kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr, MASKED: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """One online-softmax step over W * BLOCK_N keys from n0 (see _attend_range);
+    returns the state and the next step's scale bytes. Without MASKED every key
+    exists and every row sees it: no load mask, no score mask."""
+    pos = n0 + tl.arange(0, W)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    if MASKED:
+        ok = pos < end
+    else:
+        ok = tl.full((W, BLOCK_N), 1, tl.int1)
+    if RING:
+        slot = slot_base + pos % ring
+    else:
+        slot = pos
+    nxt = pos + W * BLOCK_N
+    k_sb_next = _scale_bytes(ks, nxt, nxt < end, stride_ks, K_FMT, 127, D)
+    v_sb_next = _scale_bytes(vs, nxt, nxt < end, stride_vs, V_FMT, 0, D)
+    s = _scores(q, q_even, q_odd, q16, q16_scale, kp, k_sb, slot, ok, stride_kt, sm_scale, K_FMT, D, W, BLOCK_N, HW_CVT)
+    if MASKED:
+        s = tl.where(ok[:, None, :] & (pos[:, None, :] <= qpos[None, :, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))
+    # Rows that have seen no key yet keep m = -inf: shift by 0 instead.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, :, None])
+    l_i = l_i * alpha + tl.sum(p, 2)
+    acc = _pv(p, acc * alpha[:, :, None], vp, v_sb, slot, ok, stride_vt, V_FMT, q.dtype, D, HW_CVT)
+    return acc, m_new, l_i, k_sb_next, v_sb_next
+
+
+@triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, end, qpos, slot_base, ring,
+    acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, end, visible, qpos, slot_base, ring,
     kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """Online softmax over keys [start, end). A position p lives at slot p of
-    the store, or with RING at slot_base + p % ring (the recent window)."""
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        ok = pos < end
-        if RING:
-            slot = slot_base + pos % ring
-        else:
-            slot = pos
-        s = _scores(
-            q, q_even, q_odd, q16, q16_scale, kp, ks, slot, ok, stride_kt, stride_ks, K_FMT, D, BLOCK_N, HW_CVT
-        ) * sm_scale
-        s = tl.where(ok[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows that have seen no key yet keep m = -inf: shift by 0 instead.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _pv(p, acc * alpha[:, None], vp, vs, slot, ok, stride_vt, stride_vs, V_FMT, q.dtype, D, HW_CVT)
-        m_i = m_new
+    """Online softmax over keys [start, end), W independent streams: each step
+    warp w takes keys n0 + w * BLOCK_N + [0, BLOCK_N) into its own (acc, m_i,
+    l_i) slice, so no reduction or layout change crosses warps inside the loop.
+    A position p lives at slot p of the store, or with RING at slot_base + p %
+    ring (the recent window). Keys below `visible` are seen by every row.
+
+    The steps whose keys all exist and are all visible run unmasked, the rest
+    (at most two) masked. The payload goes through Triton's pipeliner
+    (STAGES); the scale bytes, too narrow for its asynchronous copies, are
+    loaded one step ahead by hand so that their latency hides behind a step's
+    work (RING ranges have none)."""
+    step = W * BLOCK_N
+    full_end = start + tl.maximum(tl.minimum(end, visible) - start, 0) // step * step
+    lane = start + tl.arange(0, W)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    k_sb = _scale_bytes(ks, lane, lane < end, stride_ks, K_FMT, 127, D)
+    v_sb = _scale_bytes(vs, lane, lane < end, stride_vs, V_FMT, 0, D)
+    for n0 in tl.range(start, full_end, step, num_stages=STAGES):
+        acc, m_i, l_i, k_sb, v_sb = _step(
+            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring,
+            kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+            K_FMT, V_FMT, RING, False, D, W, BLOCK_N, HW_CVT)
+    for n0 in tl.range(full_end, end, step, num_stages=1):
+        acc, m_i, l_i, k_sb, v_sb = _step(
+            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring,
+            kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+            K_FMT, V_FMT, RING, True, D, W, BLOCK_N, HW_CVT)
     return acc, m_i, l_i
 
 
@@ -185,7 +243,8 @@ def _decode_split_kernel(
     shb, shh, sht,
     sm_scale, T, G, HKV, CHUNK, SINK, RECENT,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, HAS_HI: tl.constexpr,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    HW_CVT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -199,6 +258,7 @@ def _decode_split_kernel(
     row_ok = rows < G * T
     t = rows % T
     qpos = length - T + t
+    visible = length - T + 1
     q_row = Q + b * sqb + (h * G + rows // T) * sqh + t * sqt
     d = tl.arange(0, D)
     q_raw = tl.load(q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -208,7 +268,7 @@ def _decode_split_kernel(
     q_f32 = to_f32(q_raw, HW_CVT)
     q_amax = tl.max(tl.abs(q_f32), 1)
     q_exp = tl.where(q_amax > 0, tl.maximum((q_amax.to(tl.int32, bitcast=True) >> 23) - 127 - 14, -112), 0)
-    q16_scale = pow2_wide(q_exp)
+    q16_scale = pow2_wide(q_exp) * sm_scale
     q_down = pow2_wide(-q_exp)[:, None]
     q16 = _operand(q_f32 * q_down, tl.float16, HW_CVT)
     if K_FMT == 3:
@@ -222,10 +282,16 @@ def _decode_split_kernel(
     else:
         q_even = q
         q_odd = q
+    # One copy of each operand per warp (the leading axis): every warp's
+    # matmuls then run on its own keys (see _attend_range).
+    q = tl.broadcast_to(q[None], (W, BLOCK_M, D))
+    q16 = tl.broadcast_to(q16[None], (W, BLOCK_M, D))
+    q_even = tl.broadcast_to(q_even[None], (W, BLOCK_M, q_even.shape[1]))
+    q_odd = tl.broadcast_to(q_odd[None], (W, BLOCK_M, q_odd.shape[1]))
 
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((W, BLOCK_M, D), dtype=tl.float32)
+    m_i = tl.full((W, BLOCK_M), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((W, BLOCK_M), dtype=tl.float32)
     kp = KP + b * skb + h * skh
     ks = KS + b * sksb + h * sksh
     vp = VP + b * svb + h * svh
@@ -237,25 +303,31 @@ def _decode_split_kernel(
             hk = HK + b * shb + h * shh
             hv = HV + b * shb + h * shh
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q, q, q16, q16_scale, 0, lo_start, qpos, 0, 1, hk, hk, hv, hv, sht, 0, sht, 0, sm_scale,
-                0, 0, False, D, BLOCK_N, HW_CVT)
+                acc, m_i, l_i, q, q, q, q16, q16_scale, 0, lo_start, visible, qpos, 0, 1, hk, hk, hv, hv, sht, 0, sht, 0, sm_scale,
+                0, 0, False, D, W, BLOCK_N, 1, HW_CVT)
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q, q, q16, q16_scale, lo_end, length, qpos, SINK, RECENT, hk, hk, hv, hv, sht, 0, sht, 0,
-                sm_scale, 0, 0, True, D, BLOCK_N, HW_CVT)
+                acc, m_i, l_i, q, q, q, q16, q16_scale, lo_end, length, visible, qpos, SINK, RECENT, hk, hk, hv, hv, sht, 0, sht, 0,
+                sm_scale, 0, 0, True, D, W, BLOCK_N, 1, HW_CVT)
         else:
             start = lo_start + (chunk - 1) * CHUNK
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(lo_end, start + CHUNK), qpos, 0, 0,
-                kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, BLOCK_N, HW_CVT)
+                acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(lo_end, start + CHUNK), visible, qpos, 0, 0,
+                kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, W, BLOCK_N, STAGES, HW_CVT)
     else:
         start = chunk * CHUNK
         acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(length, start + CHUNK), qpos, 0, 0,
-            kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, BLOCK_N, HW_CVT)
+            acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(length, start + CHUNK), visible, qpos, 0, 0,
+            kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, W, BLOCK_N, STAGES, HW_CVT)
 
+    # Merge the warps' streams, once per program.
+    m = tl.max(m_i, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    f = tl.exp2(m_i - m_safe[None, :])
+    l_sum = tl.sum(l_i * f, 0)
+    acc_sum = tl.sum(acc * f[:, :, None], 0)
     part = (pid * n_chunks + chunk) * BLOCK_M + rows
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(l_sum > 0, m + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+    out = acc_sum / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(O_PART + part[:, None] * D + d[None, :], out, mask=row_ok[:, None])
     tl.store(LSE_PART + part, lse, mask=row_ok)
 
@@ -284,8 +356,10 @@ def _decode_combine_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the split kernel: keys per inner step, keys per
-    program (the split: a multiple of block_n), warps and pipeline stages."""
+    """Launch parameters of the split kernel: keys each warp takes per step (a
+    step is num_warps * block_n keys, each warp an independent softmax
+    stream), keys per program (the split: a multiple of block_n), warps and
+    the pipeline stages of the payload loads."""
 
     block_n: int
     chunk: int
@@ -294,10 +368,10 @@ class DecodeConfig:
 
 
 def default_config(head_dim: int) -> DecodeConfig:
-    """The launch used unless one is given: the fastest of
-    benchmarks/sweep_decode.py's grid on the H200 for head_dim 64 and 128
-    (BENCHMARKS.md); head_dim 256 was not swept. The interpreter takes small
-    steps.
+    """The launch used unless one is given. On a GPU: chosen from the sm_90a
+    machine code (registers, shared memory, instructions per key; not yet
+    timed: benchmarks/sweep_decode.py on an H200 should confirm or replace
+    it). The interpreter takes small steps.
 
     The split is a fixed number of keys, never derived from the batch or its
     longest sequence: chunk boundaries then sit at the same positions whatever
@@ -305,11 +379,13 @@ def default_config(head_dim: int) -> DecodeConfig:
     """
     if INTERPRET:
         return DecodeConfig(block_n=16, chunk=64)
-    if head_dim <= 64:
-        return DecodeConfig(block_n=128, chunk=2048, num_warps=4, num_stages=3)
+    return _gpu_config(head_dim)
+
+
+def _gpu_config(head_dim: int) -> DecodeConfig:
     if head_dim <= 128:
-        return DecodeConfig(block_n=128, chunk=2048, num_warps=4, num_stages=2)
-    return DecodeConfig(block_n=64, chunk=2048, num_warps=4, num_stages=2)
+        return DecodeConfig(block_n=32, chunk=2048, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=16, chunk=2048, num_warps=4, num_stages=2)
 
 
 def _check_config(config: DecodeConfig) -> None:
@@ -382,7 +458,8 @@ def decode_attention(
         *hk.stride()[:3],
         sm_scale, t, group, hkv, chunk, sink, recent,
         K_FMT=FMT_CODES[k_fmt], V_FMT=FMT_CODES[v_fmt], HAS_HI=has_hi,
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, HW_CVT=HW_CVT,
+        D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
+        HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     out = torch.empty_like(q)
@@ -391,3 +468,44 @@ def decode_attention(
         D=d, BLOCK_M=block_m, BLOCK_C=triton.next_power_of_2(n_chunks),
     )
     return out
+
+
+def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 4, query_len: int = 1,
+                   dtype: torch.dtype = torch.bfloat16, config: DecodeConfig | None = None, capability: int = 90):
+    """Compile the split kernel for CUDA compute capability `capability` (90:
+    H100/H200, sm_90a) on any machine, GPU or not, specialised as a launch on
+    a cache of (2, 8, 32768 + 64, head_dim) with sinks and a recent window
+    would be. config: the launch (default: `default_config` of a GPU).
+    Returns Triton's compiled kernel (`.asm` holds "ttgir", "ptx", "cubin");
+    needs TRITON_INTERPRET unset."""
+    from dma_compile import cache_formats
+    from dma_compile.kernels.target_compile import compile_for_target
+
+    b, hkv, capacity, slots = 2, 8, 32768 + 64, 64
+    block_m = max(16, triton.next_power_of_2(group * query_len))
+    config = config or _gpu_config(head_dim)
+
+    def store(fmt):
+        elems, scales = cache_formats.payload_shape(fmt, head_dim)
+        payload = torch.empty(b, hkv, capacity, elems, dtype=dtype if fmt == "none" else torch.uint8)
+        per_token = () if fmt == "mxfp8_e4m3" else (scales,)
+        return payload, (torch.empty(b, hkv, capacity, *per_token, dtype=torch.uint8) if scales else payload)
+
+    (kp, ks), (vp, vs) = store(k_fmt), store(v_fmt)
+    q = torch.empty(b, hkv * group, query_len, head_dim, dtype=dtype)
+    hi = torch.empty(b, hkv, slots, head_dim, dtype=dtype)
+    part = torch.empty(1, dtype=torch.float32)
+    names = ["sqb", "sqh", "sqt", "skb", "skh", "skt", "sksb", "sksh", "skst", "svb", "svh", "svt",
+             "svsb", "svsh", "svst", "shb", "shh", "sht"]
+    strides = [*q.stride()[:3], *kp.stride()[:3], *ks.stride()[:3], *vp.stride()[:3], *vs.stride()[:3],
+               *hi.stride()[:3]]
+    args = {
+        "Q": q, "KP": kp, "KS": ks, "VP": vp, "VS": vs, "HK": hi, "HV": hi,
+        "LENGTHS": torch.empty(b, dtype=torch.int32), "O_PART": part, "LSE_PART": part,
+        **dict(zip(names, strides)),
+        "sm_scale": 0.1, "T": query_len, "G": group, "HKV": hkv, "CHUNK": config.chunk, "SINK": 32, "RECENT": 32,
+        "K_FMT": FMT_CODES[k_fmt], "V_FMT": FMT_CODES[v_fmt], "HAS_HI": True,
+        "D": head_dim, "BLOCK_M": block_m, "W": config.num_warps, "BLOCK_N": config.block_n,
+        "STAGES": config.num_stages, "HW_CVT": True,
+    }
+    return compile_for_target(_decode_split_kernel, args, capability, config.num_warps, config.num_stages)
