@@ -182,10 +182,10 @@ def _producer(k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, k_lo_ring, k
     """Loads every key block the consumers visit, in their order: the low
     format's ranges, then the high format's."""
     k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
-    m0, b, hk, Hk, Lq, Lk, SINK_TILES, DIAG_TILES = scalars
+    m0, b, hk, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES = scalars
     l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
                                                          TILE, IS_CAUSAL, ONE_CLASS)
-    kv_row = (b * Hk + hk) * Lk
+    kv_row = (b * Hk + hk) * KS_ROW
     v_count = _produce_class(k_lo_desc, ks_lo_desc, v_desc, k_lo_ring, ks_lo_ring, v_ring, k_lo_ready, k_lo_empty,
                              v_ready, v_empty, b, hk, kv_row, l0s, l0e, l1s, l1e, _runtime_zero(),
                              LO_KIND, PV_FP8, BLOCK_N, STAGES)
@@ -416,7 +416,7 @@ def _dma_attention_gluon_kernel(
     Q_LO, QS_LO, Q_HI, QS_HI, VSCALE, O,
     sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d,
     k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc,
-    sm_scale, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES,
+    sm_scale, Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES,
     HEAD_DIM: gl.constexpr, TILE: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
     ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -466,7 +466,7 @@ def _dma_attention_gluon_kernel(
     scalars = (m0, b, h, hk, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale)
     q_smems = (q_lo_smem, q_hi_smem)
     producer_args = (k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, k_lo_ring, k_hi_ring,
-                     ks_lo_ring, ks_hi_ring, v_ring, barriers, (m0, b, hk, Hk, Lq, Lk, SINK_TILES, DIAG_TILES),
+                     ks_lo_ring, ks_hi_ring, v_ring, barriers, (m0, b, hk, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES),
                      TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, BLOCK_N, STAGES)
     gl.warp_specialize([
         (_consumer, (0, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars,
@@ -504,8 +504,11 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         return x if x is not None else qi.q_lo.values
 
     def ks_descriptor(scales):
-        flat = _scale_rows(scales) if scales is not None else _no_scales(qi.q_lo.values.device, block_n)
-        return TensorDescriptor(flat, [flat.numel()], [1], [block_n], _KS_LAYOUT)
+        flat, row = _scale_rows(scales, qi.q_lo.values.device, block_n)
+        return TensorDescriptor(flat, [flat.numel()], [1], [block_n], _KS_LAYOUT), row
+
+    ks_lo, ks_row_lo = ks_descriptor(qi.k_lo.scales)
+    ks_hi, ks_row_hi = ks_descriptor(qi.k_hi.scales)
 
     q_lo, q_hi = qi.q_lo.values, qi.q_hi.values
     return dict(
@@ -515,7 +518,7 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         sqh_b=q_hi.stride(0), sqh_h=q_hi.stride(1), sqh_m=q_hi.stride(2), sqh_d=q_hi.stride(3),
         so_b=out.stride(0), so_h=out.stride(1), so_m=out.stride(2), so_d=out.stride(3),
         k_lo_desc=k_lo, k_hi_desc=k_hi, v_desc=v_desc,
-        ks_lo_desc=ks_descriptor(qi.k_lo.scales), ks_hi_desc=ks_descriptor(qi.k_hi.scales),
+        ks_lo_desc=ks_lo, ks_hi_desc=ks_hi, KS_ROW=max(ks_row_lo, ks_row_hi),
         sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
         SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,
@@ -537,21 +540,19 @@ def _no_scales(device: torch.device, block_n: int) -> torch.Tensor:
     return torch.ones(block_n, dtype=torch.float32, device=device)
 
 
-def _scale_rows(scales: torch.Tensor) -> torch.Tensor:
+def _scale_rows(scales: torch.Tensor | None, device, block_n: int) -> tuple[torch.Tensor, int]:
     """Folded K's scales (B, Hkv, Lk) as one dimension over every KV head's
-    keys (no row stride to align, so any Lk works; a block past a head's end
-    reads the next head's scales), rounded up to whole 16 bytes as a bulk copy
-    requires: into the storage's slack where the quantization pass left it
-    (`quantize._scale_rows`), else into a padded copy."""
-    flat = scales.reshape(-1)
-    n = flat.numel()
-    padded = -(-n // 4) * 4
-    room = flat.untyped_storage().nbytes() // flat.element_size() - flat.storage_offset()
-    if padded == n:
-        return flat
-    if flat.is_contiguous() and room >= padded:
-        return flat.as_strided((padded,), (1,))
-    return torch.cat([flat, flat.new_zeros(padded - n)])
+    keys, and the distance between two heads' rows there. A bulk copy must
+    start on 16 bytes, so rows whose length is not a multiple of 4 are padded
+    (one small copy per call); a block past a head's end reads the padding or
+    the next head's scales, which the mask in `_scores` discards."""
+    if scales is None:
+        return _no_scales(device, block_n), 0
+    length = scales.shape[-1]
+    row = -(-length // 4) * 4
+    if row != length or not scales.is_contiguous():
+        scales = torch.nn.functional.pad(scales, (0, row - length))
+    return scales.reshape(-1), row
 
 
 _GL_DTYPES = {
@@ -591,7 +592,9 @@ def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, pol
     out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
     key = None
     if "block_n" not in variant:
-        key = (policy, d, qi.out_dtype, bool(is_causal), tuple(sorted(variant.items())))
+        # Triton specializes on lengths divisible by 16, and so may allocate registers differently.
+        key = (policy, d, qi.out_dtype, bool(is_causal), shape[3] % 16 == 0, shape[4] % 16 == 0,
+               tuple(sorted(variant.items())))
         variant = {**variant, "block_n": default_block_n(key)}
     args = _kernel_args(qi, out, shape, is_causal, scale, policy, **variant)
     compiled = _dma_attention_gluon_kernel[(triton.cdiv(lq, BLOCK_M.value), b * hq)](

@@ -366,14 +366,6 @@ class TokenPlan:
     heads: int
 
 
-def _scale_rows(b: int, h: int, length: int, device: torch.device) -> torch.Tensor:
-    """A (b, h, length) float32 tensor whose storage runs on to a multiple of
-    16 bytes: a bulk-copy descriptor over all its rows (the Gluon kernel's key
-    scales) must have a global size of whole 16-byte units."""
-    n = b * h * length
-    return torch.empty(-(-n // 4) * 4, dtype=torch.float32, device=device)[:n].view(b, h, length)
-
-
 def plan_tokens(
     x: torch.Tensor,
     formats: tuple[str, ...],
@@ -401,7 +393,7 @@ def plan_tokens(
             op = Operand(
                 torch.empty(b, h, length, d, dtype=torch.float8_e4m3fn, device=x.device),
                 torch.empty(b, h, length, dtype=torch.int32, device=x.device),
-                _scale_rows(b, h, length, x.device) if pow2 else None,
+                torch.empty(b, h, length, dtype=torch.float32, device=x.device) if pow2 else None,
             )
             outs.append((op.values.view(torch.uint8), op.exponents, op.scales if pow2 else op.exponents))
         else:
