@@ -617,8 +617,8 @@ _SPILLED_WIDE: set = set()
 
 
 def default_block_n(key) -> int:
-    """The block width for a compile key (policy, D, dtype, causal, variant):
-    the wide one unless a launch of it spilled."""
+    """The block width for a compile key (policy, D, dtype, causal, whether
+    Lq and Lk are multiples of 16, launch variant): the wide one unless a launch of it spilled."""
     return NARROW_BLOCK_N if key in _SPILLED_WIDE else WIDE_BLOCK_N
 
 
