@@ -57,9 +57,10 @@ CHECK_CASES = [  # (name, policy, B, Hq, Hkv, Lq, Lk, D, causal, dtype)
     ("hopper_short_q", HOPPER, 1, 2, 1, 20, 333, 128, False, torch.bfloat16),
 ]
 # Launch variants of the Gluon kernel (attention_sm90_gluon._kernel_args); _s3 with
-# block_n 128 fits shared memory at D 64 only.
+# block_n 128 fits shared memory at D 64 only; _pertile: one program per tile
+# instead of the persistent grid.
 VARIANTS = {"": {}, "_nopp": {"pingpong": False}, "_s3": {"stages": 3}, "_bn64": {"block_n": 64},
-            "_bn64_s3": {"block_n": 64, "stages": 3}, "_bn128": {"block_n": 128}}
+            "_bn64_s3": {"block_n": 64, "stages": 3}, "_bn128": {"block_n": 128}, "_pertile": {"programs": 2**31 - 1}}
 
 
 def rel_l2(a, b):

@@ -33,22 +33,27 @@ def count_matches(pattern: re.Pattern, text: str, key=lambda m: m.group(0)) -> d
 
 def resources(cubin: bytes) -> dict:
     """Registers per thread, stack-frame bytes (spills show there), the
-    local-memory loads and stores in the machine code (spills themselves)
-    and its shared-memory instructions (layout conversions go through
-    them), read with the cuobjdump Triton's wheel ships; empty where it has none."""
-    import triton
+    local-memory loads and stores in the machine code (spills themselves),
+    those inside the loops that issue the matmuls (`sass.matmul_loops`), and
+    its shared-memory instructions (layout conversions go through them),
+    read with the cuobjdump Triton's wheel ships; empty where it has none."""
+    from dma_compile.kernels import sass as sass_reader
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.isfile(tool):
+    tool = sass_reader.cuobjdump()
+    if tool is None:
         return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    sass = sass_reader.disassemble(cubin)
+    loops = sass_reader.matmul_loops(sass)
     found = {key: re.search(rf"{key}:(\d+)", text) for key in ("REG", "STACK")}
     return {**{key.lower(): int(m.group(1)) for key, m in found.items() if m},
             "local_loads": len(re.findall(r"\bLDL\b", sass)), "local_stores": len(re.findall(r"\bSTL\b", sass)),
+            "loop_local_loads": sum(loop["local_loads"] for loop in loops),
+            "loop_local_stores": sum(loop["local_stores"] for loop in loops),
+            "matmul_loops": len(loops),
             "shared_ops": len(re.findall(r"\b(?:LDS|STS|LDSM|STSM)\b", sass))}
 
 

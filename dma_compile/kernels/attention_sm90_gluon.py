@@ -32,7 +32,7 @@ import math
 import torch
 import triton
 
-from dma_compile.kernels import Unsupported
+from dma_compile.kernels import Unsupported, sass
 from dma_compile.kernels.attention_sm90 import (
     COMPILE_SHAPE,
     KIND_FP8,
@@ -44,7 +44,6 @@ from dma_compile.kernels.attention_sm90 import (
 )
 from dma_compile.kernels.gluon_compat import (
     TensorDescriptor,
-    fence_async_shared,
     gl,
     gluon,
     mbarrier,
@@ -65,7 +64,7 @@ BLOCK_M = gl.constexpr(2 * 64)
 # program; setmaxnreg then moves them from the producer to the consumers.
 MAXNREG = 168
 CONSUMER_REGS = gl.constexpr(240)
-PRODUCER_REGS = gl.constexpr(24)
+PRODUCER_REGS = gl.constexpr(32)
 
 
 def unsupported_reason(q, k, v, attn_mask, is_causal: bool, policy: AttentionPolicy,
@@ -141,20 +140,42 @@ def _runtime_zero():
 
 
 @gluon.jit
+def _tile_coords(t, sched, Hq, Hk):
+    """Tile t of the launch as (m0, batch, head, KV head). Tiles go section
+    by section, a section being a few heads whose keys and values fit in L2
+    together (`tile_sections`); within one, by query block, the block with
+    the most keys first (with causal masking the last query block), so the
+    programs running at once read the same heads and a long tile is not the
+    last to start."""
+    n_tiles, n_m, heads_total, section = sched
+    per_section = section * n_m
+    sec = t // per_section
+    r = t - sec * per_section
+    heads = gl.minimum(section, heads_total - sec * section)
+    m_idx = r // heads
+    bh = sec * section + (r - m_idx * heads)
+    m0 = (n_m - 1 - m_idx) * BLOCK_M
+    h = bh % Hq
+    return m0, bh // Hq, h, h // (Hq // Hk)
+
+
+@gluon.jit
 def _block_start(i, n0, r0s, r1s, BLOCK_N: gl.constexpr):
     return gl.where(i < n0, r0s + i * BLOCK_N, r1s + (i - n0) * BLOCK_N)
 
 
 @gluon.jit
 def _produce_class(k_desc, ks_desc, v_desc, k_ring, ks_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                   b, hk, kv_row, r0s, r0e, r1s, r1e, v_count, KIND: gl.constexpr, PV_FP8: gl.constexpr,
+                   b, hk, kv_row, r0s, r0e, r1s, r1e, k0, v0, KIND: gl.constexpr, PV_FP8: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The class's key blocks into its K ring (from position k0) and the V
+    ring (from v0); returns how many."""
     n0 = gl.cdiv(r0e - r0s, BLOCK_N)
     n = n0 + gl.cdiv(r1e - r1s, BLOCK_N)
     for i in range(n):
         start = _block_start(i, n0, r0s, r1s, BLOCK_N)
-        s = i % STAGES
-        mbarrier.wait(k_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        s = (k0 + i) % STAGES
+        mbarrier.wait(k_empty.index(s), (((k0 + i) // STAGES) & 1) ^ 1)
         if KIND == 1:
             # Folded K's per-key powers of two travel with their block: the
             # consumers read them from shared memory, holding no prefetch registers.
@@ -163,36 +184,62 @@ def _produce_class(k_desc, ks_desc, v_desc, k_ring, ks_ring, v_ring, k_ready, k_
         else:
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma_load(k_desc, [b, hk, start, 0], k_ready.index(s), k_ring.index(s))
-        vs = v_count % STAGES
-        mbarrier.wait(v_empty.index(vs), ((v_count // STAGES) & 1) ^ 1)
+        vs = (v0 + i) % STAGES
+        mbarrier.wait(v_empty.index(vs), (((v0 + i) // STAGES) & 1) ^ 1)
         mbarrier.expect(v_ready.index(vs), v_desc.block_type.nbytes)
         if PV_FP8:
             tma_load(v_desc, [b, hk, 0, start], v_ready.index(vs), v_ring.index(vs))
         else:
             tma_load(v_desc, [b, hk, start, 0], v_ready.index(vs), v_ring.index(vs))
-        v_count += 1
-    return v_count
+    return n
 
 
 @gluon.jit
-def _producer(k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring,
-              v_ring, barriers, scalars, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr,
-              PV_FP8: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
+def _produce_q(q_desc, q_smem, q_ready, q_empty, b, h, m0, j, ONE_CLASS: gl.constexpr):
+    """Both consumers' Q tiles of the program's j-th tile, each once its
+    consumer has released the last one's. q_desc, q_smem: the low and the high
+    format's."""
+    q_lo_desc, q_hi_desc = q_desc
+    q_lo_smem, q_hi_smem = q_smem
+    for wg in gl.static_range(2):
+        mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
+        if ONE_CLASS:
+            mbarrier.expect(q_ready.index(wg), q_lo_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(q_ready.index(wg), q_lo_desc.block_type.nbytes + q_hi_desc.block_type.nbytes)
+            tma_load(q_hi_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_hi_smem.index(wg))
+        tma_load(q_lo_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_lo_smem.index(wg))
+
+
+@gluon.jit
+def _producer(q_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_smem, k_lo_ring, k_hi_ring,
+              ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, sched, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Loads every key block the consumers visit, in their order: the low
-    format's ranges, then the high format's."""
-    k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
-    m0, b, hk, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES = scalars
-    l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
-                                                         TILE, IS_CAUSAL, ONE_CLASS)
-    kv_row = (b * Hk + hk) * KS_ROW
-    v_count = _produce_class(k_lo_desc, ks_lo_desc, v_desc, k_lo_ring, ks_lo_ring, v_ring, k_lo_ready, k_lo_empty,
-                             v_ready, v_empty, b, hk, kv_row, l0s, l0e, l1s, l1e, _runtime_zero(),
-                             LO_KIND, PV_FP8, BLOCK_N, STAGES)
-    if not ONE_CLASS:
-        _produce_class(k_hi_desc, ks_hi_desc, v_desc, k_hi_ring, ks_hi_ring, v_ring, k_hi_ready, k_hi_empty,
-                       v_ready, v_empty, b, hk, kv_row, h0s, h0e, h1s, h1e, v_count,
-                       HI_KIND, PV_FP8, BLOCK_N, STAGES)
+    """Loads, tile after tile of the program, the consumers' Q tiles, then
+    every key block they visit in their order: the low format's ranges, then
+    the high format's. The ring counters run on across tiles, so the next
+    tile's Q and first key blocks load while the consumers finish the last one."""
+    q_ready, q_empty, k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
+    Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES = scalars
+    # Each key block has its V block: the V ring's position is the sum of the K rings'.
+    k_lo_count = _runtime_zero()
+    k_hi_count = _runtime_zero()
+    for t in range(gl.program_id(0), sched[0], gl.num_programs(0)):
+        m0, b, h, hk = _tile_coords(t, sched, Hq, Hk)
+        _produce_q(q_desc, q_smem, q_ready, q_empty, b, h, m0, t // gl.num_programs(0), ONE_CLASS)
+        l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
+                                                             TILE, IS_CAUSAL, ONE_CLASS)
+        kv_row = (b * Hk + hk) * KS_ROW
+        k_lo_count += _produce_class(
+            k_lo_desc, ks_lo_desc, v_desc, k_lo_ring, ks_lo_ring, v_ring, k_lo_ready, k_lo_empty,
+            v_ready, v_empty, b, hk, kv_row, l0s, l0e, l1s, l1e, k_lo_count, k_lo_count + k_hi_count,
+            LO_KIND, PV_FP8, BLOCK_N, STAGES)
+        if not ONE_CLASS:
+            k_hi_count += _produce_class(
+                k_hi_desc, ks_hi_desc, v_desc, k_hi_ring, ks_hi_ring, v_ring, k_hi_ready, k_hi_empty,
+                v_ready, v_empty, b, hk, kv_row, h0s, h0e, h1s, h1e, k_hi_count, k_lo_count + k_hi_count,
+                HI_KIND, PV_FP8, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -271,13 +318,15 @@ def _v_operand(v_ring, vs, PV_FP8: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM
 
 
 @gluon.jit
-def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, ks_ring, k_ready, k_empty,
+def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring, k_ready, k_empty,
                    v_ring, v_ready, v_empty, turns, rows, row0, Lk, r0s, r0e, r1s, r1e,
                    WG: gl.constexpr, KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_FP8: gl.constexpr,
                    PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                    s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Online softmax over one precision class's key blocks, software
-    pipelined: S of block i is issued with P·V of block i - 1."""
+    pipelined: S of block i is issued with P·V of block i - 1. k0, v0, turn:
+    the K and V rings' positions and the ping-pong turn at its start.
+    Returns the state, the blocks consumed and the turn after them."""
     P_LOG2: gl.constexpr = 8.0 if PV_FP8 else 0.0
     row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     n0 = gl.cdiv(r0e - r0s, BLOCK_N)
@@ -285,33 +334,32 @@ def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, ks_rin
     if n > 0:
         zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         start = _block_start(0, n0, r0s, r1s, BLOCK_N)
-        mbarrier.wait(k_ready.index(0), 0)
-        ks = _key_scales(ks_ring, 0, KIND, s_layout, BLOCK_N)
+        s = k0 % STAGES
+        mbarrier.wait(k_ready.index(s), (k0 // STAGES) & 1)
+        ks = _key_scales(ks_ring, s, KIND, s_layout, BLOCK_N)
         _take_turn(turns, turn, WG, PINGPONG)
-        s_tok = warpgroup_mma(q_smem, k_ring.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+        s_tok = warpgroup_mma(q_smem, k_ring.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
         _pass_turn(turns, WG, PINGPONG)
-        turn += 1
         s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                 s_layout, row_layout, BLOCK_N)
         l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)
         acc = acc * alpha[:, None]
         for i in range(1, n):
             start = _block_start(i, n0, r0s, r1s, BLOCK_N)
-            s = i % STAGES
-            vs = v_count % STAGES
-            mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+            s = (k0 + i) % STAGES
+            vs = (v0 + i - 1) % STAGES
+            mbarrier.wait(k_ready.index(s), ((k0 + i) // STAGES) & 1)
             ks = _key_scales(ks_ring, s, KIND, s_layout, BLOCK_N)
-            mbarrier.wait(v_ready.index(vs), (v_count // STAGES) & 1)
-            _take_turn(turns, turn, WG, PINGPONG)
+            mbarrier.wait(v_ready.index(vs), ((v0 + i - 1) // STAGES) & 1)
+            _take_turn(turns, turn + i, WG, PINGPONG)
             s_tok = warpgroup_mma(q_smem, k_ring.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
             o_tok = warpgroup_mma(_pv_operand(p, v_ring.dtype, PV_FP8, o_layout),
                                   _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
             _pass_turn(turns, WG, PINGPONG)
-            turn += 1
             s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(s), count=1)
             p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
@@ -320,86 +368,96 @@ def _consume_class(acc, m_i, l_i, v_count, turn, q_smem, q_scale, k_ring, ks_rin
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
             mbarrier.arrive(v_empty.index(vs), count=1)
             acc = acc * alpha[:, None]
-            v_count += 1
-        vs = v_count % STAGES
-        mbarrier.wait(v_ready.index(vs), (v_count // STAGES) & 1)
-        _take_turn(turns, turn, WG, PINGPONG)
+        vs = (v0 + n - 1) % STAGES
+        mbarrier.wait(v_ready.index(vs), ((v0 + n - 1) // STAGES) & 1)
+        _take_turn(turns, turn + n, WG, PINGPONG)
         o_tok = warpgroup_mma(_pv_operand(p, v_ring.dtype, PV_FP8, o_layout),
                               _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
         _pass_turn(turns, WG, PINGPONG)
-        turn += 1
         acc = warpgroup_mma_wait(0, deps=(o_tok,))
         mbarrier.arrive(v_empty.index(vs), count=1)
-        v_count += 1
-    return acc, m_i, l_i, v_count, turn
+        turn += n + 1
+    return acc, m_i, l_i, n, turn
 
 
 @gluon.jit
-def _load_q(q_smem, Q, sq_m, sq_d, bh_offset, rows, Lq, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
-    """One consumer's 64 query rows of a Q operand into its shared memory."""
-    r = gl.convert_layout(rows, gl.SliceLayout(1, layout))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    x = gl.load(Q + bh_offset + r[:, None].to(gl.int64) * sq_m + d[None, :] * sq_d, mask=(r < Lq)[:, None], other=0.0)
-    q_smem.store(x)
-
-
-@gluon.jit
-def _row_scale(QS, bh_row0, rows, Lq, sm_scale, KIND: gl.constexpr):
+def _row_scale(QS, row0, rows, Lq, sm_scale, KIND: gl.constexpr):
     if KIND == 1:
-        r = gl.load(QS + bh_row0 + rows, mask=rows < Lq, other=0.0) * sm_scale
+        r = gl.load(QS + row0 + rows, mask=rows < Lq, other=0.0) * sm_scale
     else:
         r = gl.zeros_like(rows.to(gl.float32)) + sm_scale
     return r
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring,
-              barriers, scalars,
+def _consumer(WG: gl.constexpr, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring,
+              barriers, scalars, sched,
               TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
               HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, PINGPONG: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr,
-              load_layout: gl.constexpr):
-    """Consumer WG's 64 query rows: their Q tiles into shared memory, both
-    precision classes, then the epilogue."""
-    k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
-    m0, b, h, hk, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale = scalars
-    Q_LO, QS_LO, Q_HI, QS_HI, VSCALE, O = ptrs
-    sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d = strides
-    q_lo_smem, q_hi_smem = q_smems
+              s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Consumer WG's 64 query rows of each of the program's tiles."""
+    Hq, Hk = scalars[0], scalars[1]
+    counts = (_runtime_zero(), _runtime_zero(), _runtime_zero())
+    for t in range(gl.program_id(0), sched[0], gl.num_programs(0)):
+        m0, b, h, hk = _tile_coords(t, sched, Hq, Hk)
+        # t = program + j * programs: this is the program's j-th tile.
+        counts = _consume_tile(WG, m0, b, h, hk, t // gl.num_programs(0), counts, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring,
+                               ks_hi_ring, v_ring, barriers, scalars, TILE, IS_CAUSAL, ONE_CLASS, PV_FP8,
+                               HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
+                               s_lo_layout, s_hi_layout, o_layout)
+
+
+@gluon.jit
+def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_ring, k_hi_ring,
+                  ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars,
+                  TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
+                  HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, PINGPONG: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One tile's 64 rows: both precision classes on the Q tiles the producer
+    loaded, then the epilogue. j: the tile's place among the program's;
+    counts: the K rings' positions (low, high; the V ring's is their sum)
+    and the ping-pong turn, carried from tile to tile."""
+    q_ready, q_empty, k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
+    Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale = scalars
+    QS_LO, QS_HI, VSCALE, O = ptrs
+    q_lo_smem, q_hi_smem = q_smem
+    k_lo_count, k_hi_count, turn = counts
     row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = m0 + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
-    b64 = b.to(gl.int64)
-    h64 = h.to(gl.int64)
-    q_row0 = (b64 * Hq + h64) * Lq
-    kv_head = b64 * Hk + hk.to(gl.int64)
+    # Q, its scales and O are (B, Hq, Lq, ...) row-major: one row index serves all three.
+    row0 = (b.to(gl.int64) * Hq + h) * Lq
     l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
                                                          TILE, IS_CAUSAL, ONE_CLASS)
-    q_lo = q_lo_smem.index(WG)
-    _load_q(q_lo, Q_LO, sql_m, sql_d, b64 * sql_b + h64 * sql_h, rows, Lq, HEAD_DIM, load_layout)
-    q_hi = q_hi_smem.index(WG)
-    if not ONE_CLASS:
-        _load_q(q_hi, Q_HI, sqh_m, sqh_d, b64 * sqh_b + h64 * sqh_h, rows, Lq, HEAD_DIM, load_layout)
-    fence_async_shared()
+    q_lo = q_lo_smem.index(WG).reshape([ROWS, HEAD_DIM])
+    q_hi = q_hi_smem.index(WG).reshape([ROWS, HEAD_DIM])
+    qs_lo = _row_scale(QS_LO, row0, rows, Lq, sm_scale, LO_KIND)
+    mbarrier.wait(q_ready.index(WG), j & 1)
 
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    acc, m_i, l_i, v_count, turn = _consume_class(
-        acc, m_i, l_i, _runtime_zero(), _runtime_zero(), q_lo, _row_scale(QS_LO, q_row0, rows, Lq, sm_scale, LO_KIND),
+    acc, m_i, l_i, n, turn = _consume_class(
+        acc, m_i, l_i, k_lo_count, k_lo_count + k_hi_count, turn, q_lo, qs_lo,
         k_lo_ring, ks_lo_ring, k_lo_ready, k_lo_empty, v_ring, v_ready, v_empty, turns, rows, m0 + WG * ROWS, Lk,
         l0s, l0e, l1s, l1e, WG, LO_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
         s_lo_layout, o_layout)
+    k_lo_count += n
     if not ONE_CLASS:
-        acc, m_i, l_i, v_count, turn = _consume_class(
-            acc, m_i, l_i, v_count, turn, q_hi, _row_scale(QS_HI, q_row0, rows, Lq, sm_scale, HI_KIND),
+        acc, m_i, l_i, n_hi, turn = _consume_class(
+            acc, m_i, l_i, k_hi_count, k_lo_count + k_hi_count, turn, q_hi,
+            _row_scale(QS_HI, row0, rows, Lq, sm_scale, HI_KIND),
             k_hi_ring, ks_hi_ring, k_hi_ready, k_hi_empty, v_ring, v_ready, v_empty, turns, rows, m0 + WG * ROWS, Lk,
             h0s, h0e, h1s, h1e, WG, HI_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
             s_hi_layout, o_layout)
+        k_hi_count += n_hi
+    # Every matmul reading this tile's Q has retired: the producer may load the next one.
+    mbarrier.arrive(q_empty.index(WG), count=1)
 
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     if PV_FP8:
-        acc = acc * gl.load(VSCALE + kv_head * HEAD_DIM + d)[None, :]
+        acc = acc * gl.load(VSCALE + (b.to(gl.int64) * Hk + hk) * HEAD_DIM + d)[None, :]
     # A row with every key masked has l = 0 and outputs zeros, as SDPA.
     empty = l_i == 0.0
     out = gl.where(empty[:, None], 0.0, acc / gl.where(empty, 1.0, l_i)[:, None])
@@ -407,32 +465,28 @@ def _consumer(WG: gl.constexpr, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, ks
     out = gl.convert_layout(out.to(O.dtype.element_ty), out_layout)
     r_o = m0 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
-    o_ptr = O + b64 * so_b + h64 * so_h + r_o[:, None].to(gl.int64) * so_m + d_o[None, :] * so_d
+    o_ptr = O + (row0 + r_o[:, None]) * HEAD_DIM + d_o[None, :]
     gl.store(o_ptr, out, mask=(r_o < Lq)[:, None])
+    return k_lo_count, k_hi_count, turn
 
 
 @gluon.jit
 def _dma_attention_gluon_kernel(
-    Q_LO, QS_LO, Q_HI, QS_HI, VSCALE, O,
-    sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d,
-    k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc,
-    sm_scale, Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES,
+    QS_LO, QS_HI, VSCALE, O,
+    q_lo_desc, q_hi_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc,
+    sm_scale, Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES, N_TILES, N_M, HEADS, SECTION,
     HEAD_DIM: gl.constexpr, TILE: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
     ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    q_lo_layout: gl.constexpr, q_hi_layout: gl.constexpr,
-    s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr, load_layout: gl.constexpr,
+    s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr,
 ):
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    # Longest rows first: with causal masking the last query blocks do the most work.
-    m0 = (gl.cdiv(Lq, BLOCK_M) - 1 - pid_m) * BLOCK_M
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // (Hq // Hk)
-
-    q_lo_smem = gl.allocate_shared_memory(Q_LO.dtype.element_ty, [2, ROWS, HEAD_DIM], q_lo_layout)
-    q_hi_smem = gl.allocate_shared_memory(Q_HI.dtype.element_ty, [2, ROWS, HEAD_DIM], q_hi_layout)
+    # Persistent: program p runs tiles p, p + P, p + 2P, ... of the P
+    # programs, in `_tile_coords`' order.
+    q_lo_smem = gl.allocate_shared_memory(q_lo_desc.dtype, [2] + q_lo_desc.block_type.shape, q_lo_desc.layout)
+    if ONE_CLASS:
+        q_hi_smem = q_lo_smem
+    else:
+        q_hi_smem = gl.allocate_shared_memory(q_hi_desc.dtype, [2] + q_hi_desc.block_type.shape, q_hi_desc.layout)
     k_lo_ring = gl.allocate_shared_memory(k_lo_desc.dtype, [STAGES] + k_lo_desc.block_type.shape, k_lo_desc.layout)
     if ONE_CLASS:
         k_hi_ring = k_lo_ring
@@ -442,6 +496,8 @@ def _dma_attention_gluon_kernel(
     ks_lo_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_lo_desc.layout)
     ks_hi_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_hi_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_lo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_lo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_hi_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -458,25 +514,48 @@ def _dma_attention_gluon_kernel(
         mbarrier.init(k_hi_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
     for i in gl.static_range(2):
+        # One Q tile per consumer.
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turns.index(i), count=1)
 
-    barriers = (k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns)
-    ptrs = (Q_LO, QS_LO, Q_HI, QS_HI, VSCALE, O)
-    strides = (sql_b, sql_h, sql_m, sql_d, sqh_b, sqh_h, sqh_m, sqh_d, so_b, so_h, so_m, so_d)
-    scalars = (m0, b, h, hk, Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale)
-    q_smems = (q_lo_smem, q_hi_smem)
-    producer_args = (k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, k_lo_ring, k_hi_ring,
-                     ks_lo_ring, ks_hi_ring, v_ring, barriers, (m0, b, hk, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES),
-                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, BLOCK_N, STAGES)
+    barriers = (q_ready, q_empty, k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns)
+    ptrs = (QS_LO, QS_HI, VSCALE, O)
+    scalars = (Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale)
+    sched = (N_TILES, N_M, HEADS, SECTION)
+    q_smem = (q_lo_smem, q_hi_smem)
+    producer_args = ((q_lo_desc, q_hi_desc), k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_smem,
+                     k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers,
+                     (Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES),
+                     sched, TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, BLOCK_N, STAGES)
     gl.warp_specialize([
-        (_consumer, (0, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars,
+        (_consumer, (0, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, sched,
                      TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
-                     s_lo_layout, s_hi_layout, o_layout, load_layout)),
-        (_consumer, (1, ptrs, strides, q_smems, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars,
+                     s_lo_layout, s_hi_layout, o_layout)),
+        (_consumer, (1, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, sched,
                      TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
-                     s_lo_layout, s_hi_layout, o_layout, load_layout)),
+                     s_lo_layout, s_hi_layout, o_layout)),
         (_producer, producer_args),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# What the heads of one section of tiles may hold in keys and values: a
+# share of the H100/H200 L2 (50 MB) that leaves room for Q and the output.
+L2_SECTION_BYTES = 32 * 2**20
+
+
+def tile_sections(hq: int, hk: int, lk: int, key_bytes_per_token: int, heads_total: int) -> int:
+    """How many consecutive (batch, head) pairs one section of tiles spans
+    (`_tile_coords`): as many KV heads as fit in `L2_SECTION_BYTES`, at least
+    one, times the query heads that share each. key_bytes_per_token: the
+    bytes of K and V the kernel reads per key of one KV head."""
+    kv_heads = max(1, L2_SECTION_BYTES // max(1, lk * key_bytes_per_token))
+    return max(1, min(heads_total, kv_heads * (hq // hk)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
@@ -484,14 +563,18 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
     """The kernel's arguments by name. shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
     b, hq, hk, lq, lk, d, dv = shape
     pv_fp8 = policy.pv == "fp8"
+    n_m = triton.cdiv(lq, BLOCK_M.value)
+    key_bytes = d * qi.k_lo.values.element_size() + dv * qi.v.element_size()
 
-    def k_descriptor(x):
+    def descriptor(x, rows):
         x, dims, strides = descriptor_geometry(x)
-        block = [1, 1, block_n, d]
+        block = [1, 1, rows, d]
         return TensorDescriptor(x, dims, strides, block, gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x)))
 
-    k_lo = k_descriptor(qi.k_lo.values)
-    k_hi = k_lo if qi.k_hi.values is qi.k_lo.values else k_descriptor(qi.k_hi.values)
+    q_lo = descriptor(qi.q_lo.values, ROWS.value)
+    q_hi = q_lo if qi.q_hi.values is qi.q_lo.values else descriptor(qi.q_hi.values, ROWS.value)
+    k_lo = descriptor(qi.k_lo.values, block_n)
+    k_hi = k_lo if qi.k_hi.values is qi.k_lo.values else descriptor(qi.k_hi.values, block_n)
     v, dims, strides = descriptor_geometry(qi.v, lk if pv_fp8 else None)
     v_block = [1, 1, dv, block_n] if pv_fp8 else [1, 1, block_n, dv]
     v_desc = TensorDescriptor(v, dims, strides, v_block, gl.NVMMASharedLayout.get_default_for(v_block, _gl_dtype(v)))
@@ -501,7 +584,7 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         return gl.NVMMADistributedLayout([3, 0], [4, 1], [16, block_n, 32 if kind == KIND_FP8 else 16])
 
     def placeholder(x):
-        return x if x is not None else qi.q_lo.values
+        return x if x is not None else out
 
     def ks_descriptor(scales):
         flat, row = _scale_rows(scales, qi.q_lo.values.device, block_n)
@@ -510,24 +593,17 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
     ks_lo, ks_row_lo = ks_descriptor(qi.k_lo.scales)
     ks_hi, ks_row_hi = ks_descriptor(qi.k_hi.scales)
 
-    q_lo, q_hi = qi.q_lo.values, qi.q_hi.values
     return dict(
-        Q_LO=q_lo, QS_LO=placeholder(qi.q_lo.scales), Q_HI=q_hi, QS_HI=placeholder(qi.q_hi.scales),
-        VSCALE=placeholder(qi.v_scales), O=out,
-        sql_b=q_lo.stride(0), sql_h=q_lo.stride(1), sql_m=q_lo.stride(2), sql_d=q_lo.stride(3),
-        sqh_b=q_hi.stride(0), sqh_h=q_hi.stride(1), sqh_m=q_hi.stride(2), sqh_d=q_hi.stride(3),
-        so_b=out.stride(0), so_h=out.stride(1), so_m=out.stride(2), so_d=out.stride(3),
-        k_lo_desc=k_lo, k_hi_desc=k_hi, v_desc=v_desc,
+        QS_LO=placeholder(qi.q_lo.scales), QS_HI=placeholder(qi.q_hi.scales), VSCALE=placeholder(qi.v_scales), O=out,
+        q_lo_desc=q_lo, q_hi_desc=q_hi, k_lo_desc=k_lo, k_hi_desc=k_hi, v_desc=v_desc,
         ks_lo_desc=ks_lo, ks_hi_desc=ks_hi, KS_ROW=max(ks_row_lo, ks_row_hi),
         sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
         SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
+        N_TILES=n_m * b * hq, N_M=n_m, HEADS=b * hq, SECTION=tile_sections(hq, hk, lk, key_bytes, b * hq),
         HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,
         PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), PINGPONG=pingpong, BLOCK_N=block_n, STAGES=stages,
-        q_lo_layout=gl.NVMMASharedLayout.get_default_for([ROWS.value, d], _gl_dtype(q_lo)),
-        q_hi_layout=gl.NVMMASharedLayout.get_default_for([ROWS.value, d], _gl_dtype(q_hi)),
         s_lo_layout=s_layout(lo_kind), s_hi_layout=s_layout(hi_kind),
         o_layout=gl.NVMMADistributedLayout([3, 0], [4, 1], [16, dv, 32 if pv_fp8 else 16]),
-        load_layout=gl.BlockedLayout([1, 8], [32 // (d // 8), d // 8], [4, 1], [1, 0]),
     )
 
 
@@ -568,7 +644,7 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
                          **variant) -> torch.Tensor:
     """DMA attention on validated SDPA-style inputs (see ops.dma_attention).
 
-    variant: block_n, stages, pingpong (benchmarks and tests); raises
+    variant: block_n, stages, pingpong, programs (benchmarks and tests); raises
     Unsupported for calls `unsupported_reason` names."""
     reason = unsupported_reason(q, k, v, attn_mask, is_causal, policy)
     if reason is not None:
@@ -587,9 +663,14 @@ def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, pol
     (`attention_sm90.quantize_inputs`). shape: (B, Hq, Hkv, Lq, Lk, D, Dv).
 
     Without an explicit `block_n` the kernel takes 128 keys per block, or 64
-    where the compiler spilled registers at 128 (`default_block_n`)."""
+    where the compiler spilled registers in the matmul loops at 128
+    (`default_block_n`). The grid is persistent, one program per SM;
+    `programs` (a variant) sets another count, e.g. one per tile to time the
+    difference."""
     b, hq, _, lq, _, d, dv = shape
     out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
+    variant = dict(variant)
+    programs = variant.pop("programs", None) or _sm_count(out.device)
     key = None
     if "block_n" not in variant:
         # Triton specializes on lengths divisible by 16, and so may allocate registers differently.
@@ -597,13 +678,13 @@ def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, pol
                tuple(sorted(variant.items())))
         variant = {**variant, "block_n": default_block_n(key)}
     args = _kernel_args(qi, out, shape, is_causal, scale, policy, **variant)
-    compiled = _dma_attention_gluon_kernel[(triton.cdiv(lq, BLOCK_M.value), b * hq)](
-        **args, num_warps=4, maxnreg=MAXNREG)
-    if key is not None and variant["block_n"] == WIDE_BLOCK_N and getattr(compiled, "n_spills", 0) > 0:
-        _SPILLED_WIDE.add(key)
-        logger.info("the Gluon sm90 kernel spills registers at %d keys per block for %s (D %d, %s, causal %s) "
-                    "with this Triton; using %d from the next call on", WIDE_BLOCK_N, policy, d, qi.out_dtype,
-                    bool(is_causal), NARROW_BLOCK_N)
+    compiled = _dma_attention_gluon_kernel[(min(programs, args["N_TILES"]),)](**args, num_warps=4, maxnreg=MAXNREG)
+    if key is not None and key not in _WIDE_SPILLS:
+        _WIDE_SPILLS[key] = wide_loop_spills(compiled)
+        if _WIDE_SPILLS[key]:
+            logger.info("the Gluon sm90 kernel spills registers in its matmul loops at %d keys per block for %s "
+                        "(D %d, %s, causal %s) with this Triton; using %d from the next call on", WIDE_BLOCK_N,
+                        policy, d, qi.out_dtype, bool(is_causal), NARROW_BLOCK_N)
     return out
 
 
@@ -613,13 +694,25 @@ def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, pol
 # one differs between Triton versions, so it is read off the compiled kernel.
 WIDE_BLOCK_N = 128
 NARROW_BLOCK_N = 64
-_SPILLED_WIDE: set = set()
+# compile key -> whether the wide block spilled in the matmul loops.
+_WIDE_SPILLS: dict = {}
+
+
+def wide_loop_spills(compiled) -> bool:
+    """Whether a compiled kernel spills inside its matmul loops
+    (`sass.matmul_loops`). A kernel with spills elsewhere only (a scalar
+    reloaded once per tile) does not count; where the SASS cannot tell, any spill does."""
+    if getattr(compiled, "n_spills", 0) == 0:
+        return False
+    loop_spills = sass.matmul_loop_spills(compiled.asm["cubin"])
+    return loop_spills is None or loop_spills > 0
 
 
 def default_block_n(key) -> int:
     """The block width for a compile key (policy, D, dtype, causal, whether
-    Lq and Lk are multiples of 16, launch variant): the wide one unless a launch of it spilled."""
-    return NARROW_BLOCK_N if key in _SPILLED_WIDE else WIDE_BLOCK_N
+    Lq and Lk are multiples of 16, launch variant): the wide one unless a
+    launch of it spilled in its matmul loops."""
+    return NARROW_BLOCK_N if _WIDE_SPILLS.get(key) else WIDE_BLOCK_N
 
 
 def compile_sm90_gluon(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: int = 128,

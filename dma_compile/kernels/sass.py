@@ -1,0 +1,82 @@
+"""Reading a compiled kernel's machine code (SASS): where it spills registers.
+
+ptxas reports one spill count for a whole kernel, but a spill outside the
+loops that issue the matmuls (a scalar reloaded once per tile) costs nothing
+measurable, while one inside them costs every iteration. This module finds
+those loops in the SASS that `cuobjdump` (shipped in Triton's wheel) prints
+and counts the local-memory loads and stores in them. Used by the Gluon
+kernel's choice of block width and by the offline compile tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import tempfile
+
+_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH = re.compile(r"\bBRA\s+`?\(?0x([0-9a-f]+)")
+
+
+@functools.lru_cache(maxsize=None)
+def cuobjdump() -> str | None:
+    """The cuobjdump of the installed Triton, None where it ships none."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return tool if os.path.isfile(tool) else None
+
+
+def disassemble(cubin: bytes) -> str | None:
+    """The SASS of a cubin, None without cuobjdump."""
+    tool = cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
+
+
+def matmul_loops(sass: str) -> list[dict]:
+    """The innermost loops that issue tensor-core matmuls (HGMMA), each as
+    its address range and the matmuls, local loads (LDL) and local stores
+    (STL) in it.
+
+    A loop is a backward branch and the code it jumps back over. Branches
+    placed after the last EXIT are ptxas's out-of-line retry paths of
+    mbarrier waits, not loops, and are left out."""
+    code = _instructions(sass)
+    exits = [addr for addr, text in code if re.search(r"\bEXIT\b", text)]
+    last_exit = max(exits) if exits else max((addr for addr, _ in code), default=0)
+    loops = []
+    for addr, text in code:
+        m = _BRANCH.search(text)
+        if m and addr <= last_exit and int(m.group(1), 16) <= addr:
+            loops.append((int(m.group(1), 16), addr))
+
+    def count(lo, hi, pattern):
+        return sum(1 for addr, text in code if lo <= addr <= hi and re.search(pattern, text))
+
+    with_mma = [(lo, hi) for lo, hi in loops if count(lo, hi, r"\bHGMMA\b")]
+    innermost = [(lo, hi) for lo, hi in with_mma
+                 if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in with_mma)]
+    return [{"start": lo, "end": hi, "matmuls": count(lo, hi, r"\bHGMMA\b"),
+             "local_loads": count(lo, hi, r"\bLDL\b"), "local_stores": count(lo, hi, r"\bSTL\b")}
+            for lo, hi in sorted(set(innermost))]
+
+
+def matmul_loop_spills(cubin: bytes) -> int | None:
+    """Local loads and stores inside the matmul loops of a cubin; None
+    without cuobjdump or where no such loop is identified."""
+    sass = disassemble(cubin)
+    loops = matmul_loops(sass) if sass is not None else []
+    if not loops:
+        return None
+    return sum(loop["local_loads"] + loop["local_stores"] for loop in loops)

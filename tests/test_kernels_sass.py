@@ -1,0 +1,33 @@
+"""kernels/sass.py: finding the matmul loops in SASS and the spills inside them."""
+
+from dma_compile.kernels.sass import matmul_loops
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   STL [R1], R2 ;
+        /*0020*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ ;
+        /*0030*/                   LDL R3, [R1] ;
+        /*0040*/                   STL [R1+0x4], R3 ;
+        /*0050*/               @P0 BRA 0x20 ;
+        /*0060*/                   LDL R4, [R1+0x4] ;
+        /*0070*/                   HGMMA.64x128x16.F32 R24, gdesc[UR8], RZ ;
+        /*0080*/               @P1 BRA 0x70 ;
+        /*0090*/                   FADD R5, R5, R6 ;
+        /*00a0*/               @P2 BRA 0x90 ;
+        /*00b0*/                   EXIT ;
+        /*00c0*/                   BRA 0x20 ;
+"""
+
+
+def test_innermost_matmul_loops_and_their_spills():
+    loops = matmul_loops(SASS)
+    # 0x20-0x50 and 0x70-0x80 issue matmuls; 0x90-0xa0 does not; the branch
+    # after EXIT is a retry path, not a loop.
+    assert [(loop["start"], loop["end"]) for loop in loops] == [(0x20, 0x50), (0x70, 0x80)]
+    assert (loops[0]["local_loads"], loops[0]["local_stores"], loops[0]["matmuls"]) == (1, 1, 1)
+    assert (loops[1]["local_loads"], loops[1]["local_stores"]) == (0, 0)
+
+
+def test_an_outer_loop_is_not_innermost():
+    outer = SASS.replace("/*0090*/                   FADD R5, R5, R6 ;", "/*0090*/               @P3 BRA 0x20 ;")
+    assert [(loop["start"], loop["end"]) for loop in matmul_loops(outer)] == [(0x20, 0x50), (0x70, 0x80)]
