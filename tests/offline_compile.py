@@ -34,7 +34,8 @@ def count_matches(pattern: re.Pattern, text: str, key=lambda m: m.group(0)) -> d
 def resources(cubin: bytes) -> dict:
     """Registers per thread, stack-frame bytes (spills show there), the
     local-memory loads and stores in the machine code (spills themselves),
-    those inside the loops that issue the matmuls (`sass.matmul_loops`), and
+    those inside the loops that issue the matmuls (`sass.matmul_loops`) and
+    the ones that count against the kernel (`sass.counted_spills`), and
     its shared-memory instructions (layout conversions go through them),
     read with the cuobjdump Triton's wheel ships; empty where it has none."""
     from dma_compile.kernels import sass as sass_reader
@@ -53,7 +54,7 @@ def resources(cubin: bytes) -> dict:
             "local_loads": len(re.findall(r"\bLDL\b", sass)), "local_stores": len(re.findall(r"\bSTL\b", sass)),
             "loop_local_loads": sum(loop["local_loads"] for loop in loops),
             "loop_local_stores": sum(loop["local_stores"] for loop in loops),
-            "matmul_loops": len(loops),
+            "matmul_loops": len(loops), "counted_spills": sass_reader.counted_spills(sass),
             "shared_ops": len(re.findall(r"\b(?:LDS|STS|LDSM|STSM)\b", sass))}
 
 

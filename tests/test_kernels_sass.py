@@ -1,6 +1,6 @@
 """kernels/sass.py: finding the matmul loops in SASS and the spills inside them."""
 
-from dma_compile.kernels.sass import matmul_loops
+from dma_compile.kernels.sass import counted_spills, matmul_loops
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -31,3 +31,9 @@ def test_innermost_matmul_loops_and_their_spills():
 def test_an_outer_loop_is_not_innermost():
     outer = SASS.replace("/*0090*/                   FADD R5, R5, R6 ;", "/*0090*/               @P3 BRA 0x20 ;")
     assert [(loop["start"], loop["end"]) for loop in matmul_loops(outer)] == [(0x20, 0x50), (0x70, 0x80)]
+
+
+def test_counted_spills_are_the_loops_or_all_where_no_loop_is_found():
+    assert counted_spills(SASS) == 2
+    no_matmul = SASS.replace("HGMMA", "HMMA")
+    assert matmul_loops(no_matmul) == [] and counted_spills(no_matmul) == 4

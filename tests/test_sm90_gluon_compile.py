@@ -38,13 +38,6 @@ def describe(ptx: str) -> dict:
     }
 
 
-def loop_spills(info: dict) -> int:
-    """Spills in the matmul loops; the whole kernel's where no loop was identified."""
-    if info.get("matmul_loops", 0) == 0:
-        return info.get("local_loads", 0) + info.get("local_stores", 0)
-    return info.get("loop_local_loads", 0) + info.get("loop_local_stores", 0)
-
-
 def compile_all() -> dict:
     """Each configuration at the block width the kernel would run it with:
     the wide one, or the narrow one where the wide one spills in its matmul
@@ -55,12 +48,12 @@ def compile_all() -> dict:
     result = compile_configs(lambda p, **kw: compile_sm90_gluon(p, block_n=WIDE_BLOCK_N, **kw), CONFIGS, describe)
     for name, info in result["configs"].items():
         info["block_n"] = WIDE_BLOCK_N
-        if loop_spills(info):
+        if info.get("counted_spills"):
             config = [c for c in CONFIGS if c[0] == name]
             narrow = compile_configs(lambda p, **kw: compile_sm90_gluon(p, block_n=NARROW_BLOCK_N, **kw),
                                      config, describe)["configs"][name]
             result["configs"][name] = {**narrow, "block_n": NARROW_BLOCK_N,
-                                       "wide_spills": loop_spills(info)}
+                                       "wide_spills": info["counted_spills"]}
     return result
 
 

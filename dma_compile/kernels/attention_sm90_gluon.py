@@ -402,8 +402,9 @@ def _consumer(WG: gl.constexpr, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, 
     for t in range(gl.program_id(0), sched[0], gl.num_programs(0)):
         m0, b, h, hk = _tile_coords(t, sched, Hq, Hk)
         # t = program + j * programs: this is the program's j-th tile.
-        counts = _consume_tile(WG, m0, b, h, hk, t // gl.num_programs(0), counts, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring,
-                               ks_hi_ring, v_ring, barriers, scalars, TILE, IS_CAUSAL, ONE_CLASS, PV_FP8,
+        counts = _consume_tile(WG, m0, b, h, hk, t // gl.num_programs(0), counts, ptrs, q_smem, k_lo_ring,
+                               k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, TILE, IS_CAUSAL,
+                               ONE_CLASS, PV_FP8,
                                HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
                                s_lo_layout, s_hi_layout, o_layout)
 
@@ -701,11 +702,11 @@ _WIDE_SPILLS: dict = {}
 def wide_loop_spills(compiled) -> bool:
     """Whether a compiled kernel spills inside its matmul loops
     (`sass.matmul_loops`). A kernel with spills elsewhere only (a scalar
-    reloaded once per tile) does not count; where the SASS cannot tell, any spill does."""
+    reloaded once per tile) does not count; without cuobjdump to read the SASS, any spill does."""
     if getattr(compiled, "n_spills", 0) == 0:
         return False
-    loop_spills = sass.matmul_loop_spills(compiled.asm["cubin"])
-    return loop_spills is None or loop_spills > 0
+    code = sass.disassemble(compiled.asm["cubin"])
+    return code is None or sass.counted_spills(code) > 0
 
 
 def default_block_n(key) -> int:

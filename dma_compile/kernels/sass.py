@@ -72,11 +72,10 @@ def matmul_loops(sass: str) -> list[dict]:
             for lo, hi in sorted(set(innermost))]
 
 
-def matmul_loop_spills(cubin: bytes) -> int | None:
-    """Local loads and stores inside the matmul loops of a cubin; None
-    without cuobjdump or where no such loop is identified."""
-    sass = disassemble(cubin)
-    loops = matmul_loops(sass) if sass is not None else []
+def counted_spills(sass: str) -> int:
+    """The spills that count against a kernel: the local loads and stores
+    inside its matmul loops, or all of them where no such loop is identified."""
+    loops = matmul_loops(sass)
     if not loops:
-        return None
+        return len(re.findall(r"\b(?:LDL|STL)\b", sass))
     return sum(loop["local_loads"] + loop["local_stores"] for loop in loops)
