@@ -8,7 +8,8 @@ The attention function mirrors transformers' `sdpa_attention_forward` (same
 masks, the same causal rule) but calls `torch.ops.dma.attention` with the
 policy of the module's `layer_idx`, on K/V before any GQA expansion. Calls the
 op cannot serve run transformers' SDPA path instead, with the reason logged
-once.
+once; so do decode steps (queries shorter than the policy's `min_q_len`, with
+impl="auto"), which the op would route to stock SDPA, without passing through it.
 
 Generation through the quantized KV cache (dma_compile.kv_cache), one line:
 
@@ -128,6 +129,12 @@ def _attention_forward(
     else:
         policy = model_policy.for_layer(layer)
     q_length = query.shape[2]
+    if impl == "auto" and q_length < policy.min_q_len:
+        # Decode steps: the op would route them to stock SDPA; going there
+        # directly spares each step the op's checks and dispatch.
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_length > 1 and attention_mask is None and causal)
     reason = _fallback_reason(query, key, value, attention_mask, dropout, causal, policy, impl, kwargs)

@@ -4,8 +4,9 @@ This is the single door to the kernels: everything above (the compile
 backend, the transformers integration, calibration) calls the op. The op
 validates its arguments (`dma_compile.validate`), then `route` decides what
 runs: with impl="auto", the kernels of `KERNELS` that serve the GPU's compute
-capability, in table order, and stock SDPA when none serves the call (reason
-logged once); the PyTorch reference on CPU or when asked for. A kernel whose
+capability, in table order, each handing to the next the calls it cannot
+serve or where the next measured faster (`Kernel.passes_on`; logged once per
+reason), and stock SDPA when none serves the call (reason logged once); the PyTorch reference on CPU or when asked for. A kernel whose
 limits (`dma_compile.kernels.limits.LIMITS`: dtypes, head_dims, scale) refuse
 the call is passed over without being imported. The policy
 travels as a string argument so compiled-graph caches see it.
@@ -43,13 +44,18 @@ class Kernel:
     module: str
     function: str
     capability_majors: tuple[int, ...]
+    # A function of the module that names why, under impl="auto", the next
+    # kernel of the route should take a call this one could serve (where the
+    # next one measured faster), or returns None; called with the kernel's arguments.
+    passes_on: str | None = None
 
 
-# impl name -> kernel. impl="auto" tries the kernels that serve the GPU in this order.
+# impl name -> kernel. impl="auto" tries the kernels that serve the GPU in this
+# order, each handing the call to the next where it cannot serve it or its
+# `passes_on` says the next one is faster.
 KERNELS = {
-    # Explicit only (no capability for "auto"): correct, but not yet faster
-    # than the Triton sm90 kernel (BENCHMARKS.md, the Gluon kernel's runs).
-    "sm90_gluon": Kernel("dma_compile.kernels.attention_sm90_gluon", "attention_sm90_gluon", ()),
+    "sm90_gluon": Kernel("dma_compile.kernels.attention_sm90_gluon", "attention_sm90_gluon", (9,),
+                         passes_on="slower_reason"),
     "sm90": Kernel("dma_compile.kernels.attention_sm90", "attention_sm90", (9,)),
     "sm100": Kernel("dma_compile.kernels.attention_sm100", "attention_sm100", (10,)),
 }
@@ -131,9 +137,22 @@ def _entry(module: str, function: str):
     return getattr(importlib.import_module(module), function)
 
 
+def _passes_on(name: str, q, k, v, attn_mask, is_causal, scale, policy) -> str | None:
+    """Kernel `name`'s reason to hand a call it could serve to the next kernel of an auto route."""
+    kernel = KERNELS[name]
+    if kernel.passes_on is None or LIMITS[name].refusal(q, v, scale) is not None:
+        return None  # nothing to ask, or the kernel's limits will refuse it before its module loads
+    return _entry(kernel.module, kernel.passes_on)(q, k, v, attn_mask, is_causal, scale, policy)
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_fallback_once(reason: str) -> None:
     logger.warning("dma attention: stock SDPA runs instead of the kernel: %s", reason)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_handover_once(name: str, successor: str, reason: str) -> None:
+    logger.info("dma attention: %s hands the call to %s: %s", name, successor, reason)
 
 
 def stock_sdpa(q, k, v, attn_mask, is_causal: bool, scale: float | None) -> torch.Tensor:
@@ -151,10 +170,18 @@ def stock_sdpa(q, k, v, attn_mask, is_causal: bool, scale: float | None) -> torc
 def run(plan: Route, q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy):
     """Run one validated call as `plan` says."""
     if plan.kernels:
-        for name in plan.kernels:
+        for name, successor in zip(plan.kernels, (*plan.kernels[1:], None)):
+            if successor is not None:
+                reason = _passes_on(name, q, k, v, attn_mask, is_causal, scale, policy)
+                if reason is not None:
+                    _log_handover_once(name, successor, reason)
+                    continue
             try:
                 return _kernel(name)(q, k, v, attn_mask, is_causal, scale, policy)
             except Unsupported as e:
+                if successor is not None:
+                    _log_handover_once(name, successor, str(e))
+                    continue
                 if plan.fallback is None:
                     raise
                 _warn_fallback_once(f"{name}: {e}")

@@ -13,6 +13,7 @@ and is saved as JSON by calibration.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -236,7 +237,12 @@ def reference_policies() -> dict[str, AttentionPolicy]:
 
 def default_policy(device: torch.device | str | None = None) -> AttentionPolicy:
     """The default policy for a device: Hopper's on sm_90, the paper's elsewhere."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    return _default_policy(torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=None)
+def _default_policy(device: torch.device) -> AttentionPolicy:
+    # Cached: the transformers integration asks for it on every attention call.
     if device.type == "cuda" and torch.cuda.is_available():
         if torch.cuda.get_device_capability(device) == (9, 0):
             return AttentionPolicy.hopper()

@@ -69,3 +69,25 @@ def test_register_rejects_unknown_impl():
 def test_unknown_impl_is_refused():
     with pytest.raises(ValueError, match="impl must be one of .* got 'flash'"):
         dma_compile.hf.register(None, impl="flash")
+
+
+def test_decode_steps_go_straight_to_sdpa(seed, monkeypatch):
+    """With impl="auto", queries shorter than the policy's min_q_len run
+    transformers' SDPA path without entering the op (which would route them
+    there too); longer ones still run the op."""
+    import dma_compile.ops  # noqa: F401 (defines torch.ops.dma.attention)
+
+    dma_compile.hf.register(AttentionPolicy(tile=32, min_q_len=8), impl="auto")
+    calls = []
+    op = torch.ops.dma.attention
+    monkeypatch.setattr(torch.ops.dma, "attention", lambda *args: calls.append(args[0].shape[2]) or op(*args))
+    sdpa, dma = causal_lm("llama", "sdpa", seed), causal_lm("llama", "dma", seed)
+    ids, _ = padded_batch(seed, length=20)
+    generate = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        dma_ids = dma.generate(ids[:1], **generate)
+        step = dma(ids[:1, :5]).logits
+        expected_step = sdpa(ids[:1, :5]).logits
+    assert calls and set(calls) == {20}, calls  # the prefill of every layer, no decode step
+    assert dma_ids.shape[1] == 23
+    assert torch.equal(step, expected_step), f"seed {seed}"

@@ -98,3 +98,32 @@ def test_gluon_routing_rule(what, expect):
         assert reason is None
     else:
         assert reason is not None and expect in reason
+
+
+@pytest.mark.parametrize("what, expect", [
+    ({}, None),
+    ({"pv": "fp8", "causal": False}, None),
+    ({"lq": 16384, "lk": 16384, "hkv": 1}, None),
+    ({"causal": False}, "non-causal"),
+    ({"d": 64}, "head_dim below 128"),
+    ({"lq": 4096, "lk": 4096}, "fewer than 8192"),
+    ({"lq": 8191, "lk": 8191}, "fewer than 8192"),
+    ({"lq": 2048, "causal": False, "pv": "fp8"}, "fewer than 8192"),
+    ({"triton": (3, 9)}, "with Triton 3.6 only"),
+])
+def test_gluon_takes_auto_calls_where_it_measured_faster(monkeypatch, what, expect):
+    """The speed rule of impl="auto" (`slower_reason`): the Gluon kernel
+    takes D128 calls of 8192 queries and keys or more, causal or with FP8
+    P·V, on the Triton versions it was timed with; the Triton kernel the rest."""
+    from dma_compile.kernels import attention_sm90_gluon as gluon_kernel
+
+    monkeypatch.setattr(gluon_kernel, "TRITON_VERSION", what.get("triton", (3, 6)))
+    d = what.get("d", 128)
+    q = torch.empty(1, 4, what.get("lq", 8192), d, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(1, what.get("hkv", 4), what.get("lk", 8192), d, dtype=torch.bfloat16, device="meta")
+    policy = HOPPER.replace(pv=what.get("pv", "input"))
+    reason = gluon_kernel.slower_reason(q, kv, kv, None, what.get("causal", True), None, policy)
+    if expect is None:
+        assert reason is None
+    else:
+        assert reason is not None and expect in reason

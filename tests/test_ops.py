@@ -209,7 +209,7 @@ CAUSAL = AttentionPolicy(tile=32, min_q_len=16)
     "impl, device, capability, short_query, expected",
     [
         ("auto", "cpu", None, False, Route(fallback="reference")),
-        ("auto", "cuda", (9, 0), False, Route(kernels=("sm90",), fallback="sdpa")),
+        ("auto", "cuda", (9, 0), False, Route(kernels=("sm90_gluon", "sm90"), fallback="sdpa")),
         ("auto", "cuda", (10, 0), False, Route(kernels=("sm100",), fallback="sdpa")),
         ("auto", "cuda", (8, 0), False, Route(fallback="sdpa", reason="no DMA kernel for compute capability 8.0")),
         ("auto", "cuda", (12, 0), False, Route(fallback="sdpa", reason="no DMA kernel for compute capability 12.0")),
@@ -220,7 +220,6 @@ CAUSAL = AttentionPolicy(tile=32, min_q_len=16)
         ("reference", "cuda", (9, 0), True, Route(fallback="reference")),
         ("sm100", "cuda", (9, 0), False, Route(kernels=("sm100",))),
         ("sm90", "cpu", None, True, Route(kernels=("sm90",))),
-        # The Gluon kernel runs only when asked for (BENCHMARKS.md: not yet faster than sm90's).
         ("sm90_gluon", "cuda", (9, 0), False, Route(kernels=("sm90_gluon",))),
     ],
 )
@@ -257,6 +256,56 @@ def test_unsupported_kernel_falls_back_to_stock_sdpa_logged_once(monkeypatch, ca
     ]
     with pytest.raises(Unsupported, match="head_dim 96"):
         ops.run(Route(kernels=("sm90",)), q, k, v, mask, False, 0.3, CAUSAL)
+
+
+def test_a_kernel_hands_calls_to_the_next_one_logged_once_per_reason(monkeypatch, caplog, seed):
+    """On an auto route the first kernel passes on the calls its `passes_on`
+    names or that it cannot serve, to the next kernel, saying why once per
+    reason; a route of one kernel (an explicit impl) never asks."""
+    from dma_compile.kernels import Unsupported
+
+    ran, refuse, slower = [], {}, {}
+
+    def kernel_named(name):
+        def kernel(q, *args):
+            if name in refuse:
+                raise Unsupported(refuse[name])
+            ran.append(name)
+            return q
+        return kernel
+
+    monkeypatch.setattr(ops, "_kernel", kernel_named)
+    monkeypatch.setattr(ops, "_passes_on", lambda name, *args: slower.get(name))
+    ops._log_handover_once.cache_clear()
+    q, k, v = qkv()
+    auto = Route(kernels=("sm90_gluon", "sm90"), fallback="sdpa")
+    with caplog.at_level(logging.INFO, logger="dma_compile.ops"):
+        ops.run(auto, q, k, v, None, True, None, CAUSAL)
+        slower["sm90_gluon"] = "the other one is faster here"
+        for _ in range(3):
+            ops.run(auto, q, k, v, None, True, None, CAUSAL)
+        slower.clear()
+        refuse["sm90_gluon"] = "masks are not read"
+        for _ in range(2):
+            ops.run(auto, q, k, v, None, True, None, CAUSAL)
+        slower["sm90_gluon"] = "the other one is faster here"
+        refuse.clear()
+        ops.run(Route(kernels=("sm90_gluon",)), q, k, v, None, True, None, CAUSAL)
+    assert ran == ["sm90_gluon", "sm90", "sm90", "sm90", "sm90", "sm90", "sm90_gluon"], f"seed {seed}"
+    assert [r.getMessage() for r in caplog.records] == [
+        "dma attention: sm90_gluon hands the call to sm90: the other one is faster here",
+        "dma attention: sm90_gluon hands the call to sm90: masks are not read",
+    ]
+
+
+def test_passes_on_asks_the_kernel_only_within_its_limits():
+    """The Gluon kernel's speed rule is asked for the calls its limits take,
+    without loading anything for those they refuse (float32 here)."""
+    q, k, v = qkv(d=128, dtype=torch.float32)
+    assert ops._passes_on("sm90_gluon", q, k, v, None, True, None, CAUSAL) is None
+    assert ops._passes_on("sm90", q, k, v, None, True, None, CAUSAL) is None
+    q, k, v = qkv(d=128, dtype=torch.bfloat16)
+    assert "Triton" in ops._passes_on("sm90_gluon", q, k, v, None, True, None, CAUSAL)
 
 
 def test_gpu_without_a_kernel_runs_stock_sdpa(caplog, seed):

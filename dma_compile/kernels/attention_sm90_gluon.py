@@ -43,6 +43,7 @@ from dma_compile.kernels.attention_sm90 import (
     quantize_inputs,
 )
 from dma_compile.kernels.gluon_compat import (
+    TRITON_VERSION,
     TensorDescriptor,
     gl,
     gluon,
@@ -92,6 +93,31 @@ def unsupported_reason(q, k, v, attn_mask, is_causal: bool, policy: AttentionPol
         return "the Gluon sm90 kernel does not take causal calls with Lq < Lk"
     if policy.tile % BLOCK_M.value != 0:
         return f"the Gluon sm90 kernel needs a precision tile that is a multiple of {BLOCK_M.value}"
+    return None
+
+
+# Where, with impl="auto", the Gluon kernel takes a call from the portable
+# Triton one: the calls it measured faster on, in the H200 crossover runs of
+# BENCHMARKS.md (full call, quantization included), with these Triton versions.
+FASTER_HEAD_DIM = 128
+FASTER_MIN_LENGTH = 8192
+FASTER_WITH_TRITON = ((3, 6),)
+
+
+def slower_reason(q, k, v, attn_mask, is_causal: bool, scale, policy: AttentionPolicy) -> str | None:
+    """Why the portable Triton kernel should take, with impl="auto", a call
+    this kernel could serve (`ops.Kernel.passes_on`), or None where this
+    one measured faster. The reasons do not name the call's sizes, so each
+    is logged once."""
+    if TRITON_VERSION not in FASTER_WITH_TRITON:
+        measured = ", ".join(f"{major}.{minor}" for major, minor in FASTER_WITH_TRITON)
+        return f"the Gluon kernel was timed against the Triton one with Triton {measured} only"
+    if q.shape[-1] != FASTER_HEAD_DIM:
+        return f"the Triton kernel measured faster at head_dim below {FASTER_HEAD_DIM}"
+    if min(q.shape[2], k.shape[2]) < FASTER_MIN_LENGTH:
+        return f"the Triton kernel measured faster with fewer than {FASTER_MIN_LENGTH} queries or keys"
+    if not is_causal and policy.pv != "fp8":
+        return "the Triton kernel measured as fast or faster on non-causal calls with 16-bit P·V"
     return None
 
 
