@@ -6,7 +6,8 @@ validates its arguments (`dma_compile.validate`), then `route` decides what
 runs: with impl="auto", the kernels of `KERNELS` that serve the GPU's compute
 capability, in table order, each handing to the next the calls it cannot
 serve or where the next measured faster (`Kernel.passes_on`; logged once per
-reason), and stock SDPA when none serves the call (reason logged once); the PyTorch reference on CPU or when asked for. A kernel whose
+reason), and stock SDPA when none serves the call (reason logged once); the
+PyTorch reference on CPU or when asked for. A kernel whose
 limits (`dma_compile.kernels.limits.LIMITS`: dtypes, head_dims, scale) refuse
 the call is passed over without being imported. The policy
 travels as a string argument so compiled-graph caches see it.
@@ -46,7 +47,8 @@ class Kernel:
     capability_majors: tuple[int, ...]
     # A function of the module that names why, under impl="auto", the next
     # kernel of the route should take a call this one could serve (where the
-    # next one measured faster), or returns None; called with the kernel's arguments.
+    # next one measured faster), or returns None; called with the kernel's
+    # arguments, after its LIMITS have taken the call.
     passes_on: str | None = None
 
 
@@ -122,11 +124,17 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 @functools.lru_cache(maxsize=None)
 def _kernel(impl: str):
     """The kernel's entry behind its `LIMITS`: a call they refuse raises
-    Unsupported before the kernel's module (and Triton) loads."""
+    Unsupported before the kernel's module (and Triton) loads. With
+    hand_over (a later kernel of the route could take the call), so does a
+    call its `passes_on` rule gives away."""
     limits, kernel = LIMITS[impl], KERNELS[impl]
 
-    def call(q, k, v, attn_mask, is_causal, scale, policy):
+    def call(q, k, v, attn_mask, is_causal, scale, policy, hand_over=False):
         limits.check(q, v, scale)
+        if hand_over and kernel.passes_on is not None:
+            reason = _entry(kernel.module, kernel.passes_on)(q, k, v, attn_mask, is_causal, scale, policy)
+            if reason is not None:
+                raise Unsupported(reason)
         return _entry(kernel.module, kernel.function)(q, k, v, attn_mask, is_causal, scale, policy)
 
     return call
@@ -135,14 +143,6 @@ def _kernel(impl: str):
 @functools.lru_cache(maxsize=None)
 def _entry(module: str, function: str):
     return getattr(importlib.import_module(module), function)
-
-
-def _passes_on(name: str, q, k, v, attn_mask, is_causal, scale, policy) -> str | None:
-    """Kernel `name`'s reason to hand a call it could serve to the next kernel of an auto route."""
-    kernel = KERNELS[name]
-    if kernel.passes_on is None or LIMITS[name].refusal(q, v, scale) is not None:
-        return None  # nothing to ask, or the kernel's limits will refuse it before its module loads
-    return _entry(kernel.module, kernel.passes_on)(q, k, v, attn_mask, is_causal, scale, policy)
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,13 +171,8 @@ def run(plan: Route, q, k, v, attn_mask, is_causal: bool, scale: float | None, p
     """Run one validated call as `plan` says."""
     if plan.kernels:
         for name, successor in zip(plan.kernels, (*plan.kernels[1:], None)):
-            if successor is not None:
-                reason = _passes_on(name, q, k, v, attn_mask, is_causal, scale, policy)
-                if reason is not None:
-                    _log_handover_once(name, successor, reason)
-                    continue
             try:
-                return _kernel(name)(q, k, v, attn_mask, is_causal, scale, policy)
+                return _kernel(name)(q, k, v, attn_mask, is_causal, scale, policy, hand_over=successor is not None)
             except Unsupported as e:
                 if successor is not None:
                     _log_handover_once(name, successor, str(e))

@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 
 def compile_in_subprocess(script: str) -> dict:
@@ -40,13 +39,9 @@ def resources(cubin: bytes) -> dict:
     read with the cuobjdump Triton's wheel ships; empty where it has none."""
     from dma_compile.kernels import sass as sass_reader
 
-    tool = sass_reader.cuobjdump()
-    if tool is None:
+    text = sass_reader.cuobjdump_output(cubin, "-res-usage")
+    if text is None:
         return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     sass = sass_reader.disassemble(cubin)
     loops = sass_reader.matmul_loops(sass)
     found = {key: re.search(rf"{key}:(\d+)", text) for key in ("REG", "STACK")}

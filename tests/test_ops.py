@@ -238,7 +238,7 @@ def test_unsupported_kernel_falls_back_to_stock_sdpa_logged_once(monkeypatch, ca
     hands it to stock SDPA, with the same mask and scale, and says why once."""
     from dma_compile.kernels import Unsupported
 
-    def kernel(*args):
+    def kernel(*args, hand_over=False):
         raise Unsupported("head_dim 96 is not served")
 
     monkeypatch.setattr(ops, "_kernel", lambda name: kernel)
@@ -260,22 +260,24 @@ def test_unsupported_kernel_falls_back_to_stock_sdpa_logged_once(monkeypatch, ca
 
 def test_a_kernel_hands_calls_to_the_next_one_logged_once_per_reason(monkeypatch, caplog, seed):
     """On an auto route the first kernel passes on the calls its `passes_on`
-    names or that it cannot serve, to the next kernel, saying why once per
-    reason; a route of one kernel (an explicit impl) never asks."""
+    names (asked only where a later kernel could take them: hand_over) or
+    that it cannot serve, to the next kernel, saying why once per reason; a
+    route of one kernel (an explicit impl) never asks."""
     from dma_compile.kernels import Unsupported
 
     ran, refuse, slower = [], {}, {}
 
     def kernel_named(name):
-        def kernel(q, *args):
+        def kernel(q, *args, hand_over=False):
             if name in refuse:
                 raise Unsupported(refuse[name])
+            if hand_over and name in slower:
+                raise Unsupported(slower[name])
             ran.append(name)
             return q
         return kernel
 
     monkeypatch.setattr(ops, "_kernel", kernel_named)
-    monkeypatch.setattr(ops, "_passes_on", lambda name, *args: slower.get(name))
     ops._log_handover_once.cache_clear()
     q, k, v = qkv()
     auto = Route(kernels=("sm90_gluon", "sm90"), fallback="sdpa")
@@ -298,14 +300,20 @@ def test_a_kernel_hands_calls_to_the_next_one_logged_once_per_reason(monkeypatch
     ]
 
 
-def test_passes_on_asks_the_kernel_only_within_its_limits():
-    """The Gluon kernel's speed rule is asked for the calls its limits take,
-    without loading anything for those they refuse (float32 here)."""
+def test_passes_on_asks_the_kernel_only_within_its_limits_and_with_hand_over():
+    """The Gluon kernel's speed rule is asked, with hand_over, for the calls
+    its limits take; those they refuse (float32 here) say the limits' reason."""
+    from dma_compile.kernels import Unsupported
+
+    gluon = ops._kernel("sm90_gluon")
     q, k, v = qkv(d=128, dtype=torch.float32)
-    assert ops._passes_on("sm90_gluon", q, k, v, None, True, None, CAUSAL) is None
-    assert ops._passes_on("sm90", q, k, v, None, True, None, CAUSAL) is None
+    with pytest.raises(Unsupported, match="bfloat16 or float16"):
+        gluon(q, k, v, None, True, None, CAUSAL, hand_over=True)
     q, k, v = qkv(d=128, dtype=torch.bfloat16)
-    assert "Triton" in ops._passes_on("sm90_gluon", q, k, v, None, True, None, CAUSAL)
+    with pytest.raises(Unsupported, match="Triton"):  # the speed rule (on CPU: no timed sizes, or no timed Triton)
+        gluon(q, k, v, None, True, None, CAUSAL, hand_over=True)
+    with pytest.raises(Unsupported, match="needs CUDA tensors"):  # without hand_over the kernel itself answers
+        gluon(q, k, v, None, True, None, CAUSAL)
 
 
 def test_gpu_without_a_kernel_runs_stock_sdpa(caplog, seed):

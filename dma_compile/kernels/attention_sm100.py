@@ -38,6 +38,7 @@ from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
 from dma_compile.kernels.numerics import (
     HW_CVT,
     INTERPRET,
+    TRITON_VERSION,
     pow2_wide,
     to_dtype,
     to_e4m3,
@@ -69,7 +70,6 @@ KIND_NONE, KIND_MX, KIND_FOLDED = 0, 1, 2
 # tl.dot_scaled's names of the element formats.
 DOT_SCALED_FORMAT = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4_e2m1": "e2m1"}
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
-TRITON_VERSION = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:2])
 # Triton 3.6 fails to compile a zero-initialised tl.dot_scaled in a loop for
 # sm_100 (3.9 does not): older versions get a zero it cannot see (see _qk).
 RUNTIME_ZERO_ACC = TRITON_VERSION < (3, 9)

@@ -43,7 +43,6 @@ from dma_compile.kernels.attention_sm90 import (
     quantize_inputs,
 )
 from dma_compile.kernels.gluon_compat import (
-    TRITON_VERSION,
     TensorDescriptor,
     gl,
     gluon,
@@ -53,6 +52,7 @@ from dma_compile.kernels.gluon_compat import (
     warpgroup_mma_wait,
 )
 from dma_compile.kernels.limits import LIMITS
+from dma_compile.kernels.numerics import TRITON_VERSION
 from dma_compile.kernels.schedule import collapse_expanded_heads
 from dma_compile.policy import AttentionPolicy
 

@@ -9,9 +9,6 @@ is mended in this file alone.
 
 from __future__ import annotations
 
-import re
-
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -26,11 +23,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # 3.9: tma.async_load(desc, coord, barrier, result); 3.6: async_copy_global_to_shared, same arguments.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-# (major, minor) of the running Triton: the Gluon kernels' measured speed
-# holds for the versions it was measured with (each compiles them differently).
-TRITON_VERSION = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", triton.__version__).groups())
-
 __all__ = [
-    "TRITON_VERSION", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma_load", "warpgroup_mma",
+    "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma_load", "warpgroup_mma",
     "warpgroup_mma_wait",
 ]

@@ -12,6 +12,7 @@ interpreter (see `dma_compile.kernels.quantize`).
 from __future__ import annotations
 
 import os
+import re
 
 import triton
 import triton.language as tl
@@ -19,6 +20,8 @@ import triton.language as tl
 # Read when this module is imported, like triton.jit reads it when decorating.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HW_CVT = not INTERPRET
+# (major, minor) of the running Triton, for the kernels' version rules.
+TRITON_VERSION = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:2])
 
 FMT_CODES = {"mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
 

@@ -29,15 +29,20 @@ def cuobjdump() -> str | None:
     return tool if os.path.isfile(tool) else None
 
 
-def disassemble(cubin: bytes) -> str | None:
-    """The SASS of a cubin, None without cuobjdump."""
+def cuobjdump_output(cubin: bytes, option: str) -> str | None:
+    """What `cuobjdump option` prints for a cubin, None without cuobjdump."""
     tool = cuobjdump()
     if tool is None:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def disassemble(cubin: bytes) -> str | None:
+    """The SASS of a cubin, None without cuobjdump."""
+    return cuobjdump_output(cubin, "--dump-sass")
 
 
 def _instructions(sass: str) -> list[tuple[int, str]]:
