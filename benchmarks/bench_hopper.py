@@ -11,12 +11,15 @@ error against bf16 SDPA; writes JSON.
 
     python benchmarks/bench_hopper.py                       # the issue's table shapes
     python benchmarks/bench_hopper.py --shapes 1,32,32,16384,128,1 --check-only
+    git show main:dma_compile/kernels/attention_sm90_gluon.py > /tmp/before.py
+    python benchmarks/bench_hopper.py --baseline /tmp/before.py   # a change against the kernel it replaces
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -111,7 +114,15 @@ def fa3():
     return fa3_fwd_interface.flash_attn_func
 
 
-def methods_for(q, k, v, causal, variants, names):
+def load_baseline(path):
+    """Another version of the Gluon kernel's module (a file), to time a change against."""
+    spec = importlib.util.spec_from_file_location("gluon_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def methods_for(q, k, v, causal, variants, names, baseline=None):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # FA3 takes (B, S, H, D)
     found = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                             enable_gqa=q.shape[1] != k.shape[1])}
@@ -136,10 +147,14 @@ def methods_for(q, k, v, causal, variants, names):
         for vname, variant in variants.items():
             found[f"gluon_{name}{vname}"] = lambda p=policy, var=variant: attention_sm90_gluon(
                 q, k, v, None, causal, None, p, **var)
+        if baseline is not None:
+            found[f"baseline_{name}_kernel_only"] = lambda p=policy, qi=qi: baseline.gluon_attention_from_quantized(
+                qi, shape, causal, scale, p, **first)
+            found[f"baseline_{name}"] = lambda p=policy: baseline.attention_sm90_gluon(q, k, v, None, causal, None, p)
     return found
 
 
-def run(shapes, variants, names):
+def run(shapes, variants, names, baseline=None):
     results = []
     for shape in tqdm(shapes, desc="shapes", file=sys.stderr):
         b, hq, hk, s, d, causal = shape
@@ -147,7 +162,7 @@ def run(shapes, variants, names):
         k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
         flops = 4 * b * hq * s * s * d / (2 if causal else 1)
-        methods = methods_for(q, k, v, causal, variants, names)
+        methods = methods_for(q, k, v, causal, variants, names, baseline)
         base = methods["sdpa"]()
         row = {"shape": f"B{b} H{hq}/{hk} S{s} D{d}{'' if causal else ' non-causal'}"}
         for name, fn in methods.items():
@@ -158,7 +173,7 @@ def run(shapes, variants, names):
                 if out.dim() == 4 and out.shape[1] == s and out.shape[2] == hq:
                     out = out.transpose(1, 2)
                 err = rel_l2(out, base) if out.shape == base.shape else float("nan")
-                ms = bench(graphed(fn) if name.startswith(("gluon", "triton", "quant")) else fn)
+                ms = bench(graphed(fn) if name.startswith(("gluon", "triton", "quant", "baseline")) else fn)
             except Exception as e:  # report and go on: one broken variant must not hide the rest
                 tqdm.write(f"{row['shape']} {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 continue
@@ -189,6 +204,7 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", help="B,Hq,Hkv,S,D,causal(0/1) each (default: the issue's table)")
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["", "_nopp"])
+    parser.add_argument("--baseline", help="another version of attention_sm90_gluon.py, timed beside this one")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--out", default="dma-out/bench_hopper.json")
@@ -205,7 +221,8 @@ def main(argv=None):
         if not all(r["ok"] for r in report["check"]):
             print("correctness check FAILED", file=sys.stderr)
     if not args.check_only:
-        report["results"] = run(shapes, variants, args.policies)
+        baseline = load_baseline(args.baseline) if args.baseline else None
+        report["results"] = run(shapes, variants, args.policies, baseline)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -49,6 +49,7 @@ def resources(cubin: bytes) -> dict:
             "local_loads": len(re.findall(r"\bLDL\b", sass)), "local_stores": len(re.findall(r"\bSTL\b", sass)),
             "loop_local_loads": sum(loop["local_loads"] for loop in loops),
             "loop_local_stores": sum(loop["local_stores"] for loop in loops),
+            "loop_barriers": max((loop["barriers"] for loop in loops), default=0),
             "matmul_loops": len(loops), "counted_spills": sass_reader.counted_spills(sass),
             "shared_ops": len(re.findall(r"\b(?:LDS|STS|LDSM|STSM)\b", sass))}
 

@@ -7,7 +7,10 @@ the machine code, that it is warp-specialized with register reallocation
 as asynchronous wgmma on the tensor cores each policy names, and keeps the
 state of its matmul loops in registers: no local-memory store inside them,
 and at most one reload of a loop invariant per loop (ptxas reloads a
-per-thread offset that way with Triton 3.9). Spills outside those loops (a
+per-thread offset that way with Triton 3.9). The consumers release ring
+stages thread by thread, so a matmul loop holds at most one warpgroup
+barrier (bar.sync): the one Triton places after a wgmma wait; releasing
+through `mbarrier.arrive` put one before every release as well. Spills outside those loops (a
 scalar reloaded once per tile of the persistent grid) are reported, not failed.
 
 Run as a script (`python tests/test_sm90_gluon_compile.py`) it prints the
@@ -72,6 +75,7 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
                 assert info["local_loads"] == 0 and info["local_stores"] == 0, f"{name}: spills {info}"
             assert info["loop_local_stores"] == 0, f"{name}: spills in the matmul loops {info}"
             assert info["loop_local_loads"] <= info["matmul_loops"], f"{name}: reloads in the matmul loops {info}"
+            assert info["loop_barriers"] <= 1, f"{name}: warpgroup barriers in a matmul loop {info}"
             assert info["block_n"] == 128 or info["wide_spills"] > 0, name
     assert kinds["hopper_causal"] == {"bf16xbf16", "e4m3xe4m3"}
     assert kinds["hopper_fp8pv_fp16_d64"] == {"f16xf16", "e4m3xe4m3"}
@@ -86,11 +90,12 @@ def _print_table(result: dict) -> None:
              info["setmaxnreg"],
              info["mbarrier_waits"], info.get("reg", "?"), info.get("stack", "?"),
              f"{info.get('local_loads', '?')}/{info.get('local_stores', '?')}",
-             f"{info.get('loop_local_loads', '?')}/{info.get('loop_local_stores', '?')}"]
+             f"{info.get('loop_local_loads', '?')}/{info.get('loop_local_stores', '?')}",
+             info.get("loop_barriers", "?")]
             for name, info in result["configs"].items()]
     print(f"Triton {result['triton']}: the Gluon sm90 kernel compiled for sm_90a")
     print(tabulate(rows, headers=["configuration", "keys per block", "wgmma (A x B)", "setmaxnreg", "mbarrier waits",
-                                  "registers", "stack", "LDL/STL", "in matmul loops"]))
+                                  "registers", "stack", "LDL/STL", "in matmul loops", "bar.sync per loop"]))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import tempfile
 
 _INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH = re.compile(r"\bBRA\s+`?\(?0x([0-9a-f]+)")
+_WGMMA = r"\b[HQI]GMMA\b"
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,9 +51,10 @@ def _instructions(sass: str) -> list[tuple[int, str]]:
 
 
 def matmul_loops(sass: str) -> list[dict]:
-    """The innermost loops that issue tensor-core matmuls (HGMMA), each as
-    its address range and the matmuls, local loads (LDL) and local stores
-    (STL) in it.
+    """The innermost loops that issue warpgroup matmuls (HGMMA for 16-bit
+    operands, QGMMA for FP8, IGMMA for integers), each as
+    its address range and the matmuls, local loads (LDL), local stores
+    (STL) and thread-block barriers (BAR.SYNC) in it.
 
     A loop is a backward branch and the code it jumps back over. Branches
     placed after the last EXIT are ptxas's out-of-line retry paths of
@@ -69,11 +71,12 @@ def matmul_loops(sass: str) -> list[dict]:
     def count(lo, hi, pattern):
         return sum(1 for addr, text in code if lo <= addr <= hi and re.search(pattern, text))
 
-    with_mma = [(lo, hi) for lo, hi in loops if count(lo, hi, r"\bHGMMA\b")]
+    with_mma = [(lo, hi) for lo, hi in loops if count(lo, hi, _WGMMA)]
     innermost = [(lo, hi) for lo, hi in with_mma
                  if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in with_mma)]
-    return [{"start": lo, "end": hi, "matmuls": count(lo, hi, r"\bHGMMA\b"),
-             "local_loads": count(lo, hi, r"\bLDL\b"), "local_stores": count(lo, hi, r"\bSTL\b")}
+    return [{"start": lo, "end": hi, "matmuls": count(lo, hi, _WGMMA),
+             "local_loads": count(lo, hi, r"\bLDL\b"), "local_stores": count(lo, hi, r"\bSTL\b"),
+             "barriers": count(lo, hi, r"\bBAR\.SYNC\b")}
             for lo, hi in sorted(set(innermost))]
 
 
