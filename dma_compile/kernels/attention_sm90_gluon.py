@@ -44,7 +44,6 @@ from dma_compile.kernels.attention_sm90 import (
 )
 from dma_compile.kernels.gluon_compat import (
     TensorDescriptor,
-    async_copy,
     gl,
     gluon,
     mbarrier,
@@ -269,36 +268,17 @@ def _producer(q_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_sm
                 HI_KIND, PV_FP8, BLOCK_N, STAGES)
 
 
-# Consumers release barriers thread by thread: each of a consumer warpgroup's
-# 128 threads arrives once, so a barrier the two consumers release counts 256.
-# `mbarrier.arrive` would arrive from one thread, after a warpgroup-wide
-# bar.sync that Triton inserts so the others are done; per-thread arrivals
-# need no such rendezvous in the matmul loops. Each thread's arrival comes
-# after its own reads of the stage: wgmma reads are complete at its wgmma
-# wait, and reads into registers (key scales) precede, by data dependence,
-# the wgmma issue the release follows (`_consume_class`).
-CONSUMER_THREADS = gl.constexpr(128)
-
-
-@gluon.jit
-def _release(bar):
-    """This thread's arrival on `bar` (cp.async's arrive, with no copies pending: at once)."""
-    async_copy.mbarrier_arrive(bar, increment_count=False)
-
-
 @gluon.jit
 def _take_turn(turns, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Wait until it is this consumer's turn to issue matmuls (PINGPONG).
-    turns: one barrier per consumer, in allocations of their own: Triton
-    orders accesses to one allocation with a bar.sync."""
+    """Wait until it is this consumer's turn to issue matmuls (PINGPONG)."""
     if PINGPONG:
-        mbarrier.wait(turns[WG], (turn & 1) ^ (1 - WG))
+        mbarrier.wait(turns.index(WG), (turn & 1) ^ (1 - WG))
 
 
 @gluon.jit
 def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        _release(turns[1 - WG])
+        mbarrier.arrive(turns.index(1 - WG), count=1)
 
 
 @gluon.jit
@@ -372,11 +352,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
     """Online softmax over one precision class's key blocks, software
     pipelined: S of block i is issued with P·V of block i - 1. k0, v0, turn:
     the K and V rings' positions and the ping-pong turn at its start.
-    Returns the state, the blocks consumed and the turn after them.
-
-    A K stage (keys and key scales) is released once P·V of its block is
-    issued: that issue waits for P, which the key scales went into, so the
-    scales were read before the release."""
+    Returns the state, the blocks consumed and the turn after them."""
     P_LOG2: gl.constexpr = 8.0 if PV_FP8 else 0.0
     row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     n0 = gl.cdiv(r0e - r0s, BLOCK_N)
@@ -392,6 +368,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
                               use_acc=False, is_async=True)
         _pass_turn(turns, WG, PINGPONG)
         s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                 s_layout, row_layout, BLOCK_N)
         l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)
@@ -409,13 +386,13 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
             o_tok = warpgroup_mma(_pv_operand(p, v_ring.dtype, PV_FP8, o_layout),
                                   _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
             _pass_turn(turns, WG, PINGPONG)
-            _release(k_empty.index((k0 + i - 1) % STAGES))
             s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(s), count=1)
             p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                     s_layout, row_layout, BLOCK_N)
             l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
-            _release(v_empty.index(vs))
+            mbarrier.arrive(v_empty.index(vs), count=1)
             acc = acc * alpha[:, None]
         vs = (v0 + n - 1) % STAGES
         mbarrier.wait(v_ready.index(vs), ((v0 + n - 1) // STAGES) & 1)
@@ -423,9 +400,8 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
         o_tok = warpgroup_mma(_pv_operand(p, v_ring.dtype, PV_FP8, o_layout),
                               _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
         _pass_turn(turns, WG, PINGPONG)
-        _release(k_empty.index((k0 + n - 1) % STAGES))
         acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        _release(v_empty.index(vs))
+        mbarrier.arrive(v_empty.index(vs), count=1)
         turn += n + 1
     return acc, m_i, l_i, n, turn
 
@@ -504,7 +480,7 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
             s_hi_layout, o_layout)
         k_hi_count += n_hi
     # Every matmul reading this tile's Q has retired: the producer may load the next one.
-    _release(q_empty.index(WG))
+    mbarrier.arrive(q_empty.index(WG), count=1)
 
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     if PV_FP8:
@@ -555,21 +531,20 @@ def _dma_attention_gluon_kernel(
     k_hi_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = (gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0),
-             gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0))
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(k_lo_ready.index(i), count=1)
         mbarrier.init(k_hi_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        # Every thread of both consumers releases every stage.
-        mbarrier.init(k_lo_empty.index(i), count=2 * CONSUMER_THREADS)
-        mbarrier.init(k_hi_empty.index(i), count=2 * CONSUMER_THREADS)
-        mbarrier.init(v_empty.index(i), count=2 * CONSUMER_THREADS)
+        # Both consumers release every stage.
+        mbarrier.init(k_lo_empty.index(i), count=2)
+        mbarrier.init(k_hi_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
     for i in gl.static_range(2):
         # One Q tile per consumer.
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=CONSUMER_THREADS)
-        mbarrier.init(turns[i], count=CONSUMER_THREADS)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)
 
     barriers = (q_ready, q_empty, k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns)
     ptrs = (QS_LO, QS_HI, VSCALE, O)

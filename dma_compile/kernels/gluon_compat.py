@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -25,6 +24,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 __all__ = [
-    "TensorDescriptor", "async_copy", "fence_async_shared", "gl", "gluon", "mbarrier", "tma_load", "warpgroup_mma",
+    "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma_load", "warpgroup_mma",
     "warpgroup_mma_wait",
 ]

@@ -124,9 +124,6 @@ class Replay:
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         device = inputs[0].device
-        # Looked up once here rather than by every launch (CompiledKernel's runner
-        # asks Triton's driver for the device and its stream when given none).
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
         bases = [x.data_ptr() for x in inputs]
@@ -137,7 +134,7 @@ class Replay:
             for i, source, offset, desc in slots:
                 address = bases[source] + offset
                 args[i] = address if desc is None else _descriptor_at(desc, address)
-            runner(*args, stream=stream)
+            runner(*args)
         return out
 
 
