@@ -36,8 +36,8 @@ from dma_compile.rotation import ROTATIONS
 
 PAPER_FOLDED = AttentionPolicy(mx_mode="folded")
 DMA_POLICIES = {
-    "dma_hopper": AttentionPolicy.hopper(),
-    "dma_hopper_fp8pv": AttentionPolicy.hopper().replace(pv="fp8"),
+    "dma_hopper": AttentionPolicy.preset("hopper_input_pv"),
+    "dma_hopper_fp8pv": AttentionPolicy.hopper(),
     "dma_paper_folded": PAPER_FOLDED,
     "dma_paper_folded_fp8pv": PAPER_FOLDED.replace(pv="fp8"),
     "dma_all_mxfp8": AttentionPolicy.preset("all_mxfp8").replace(mx_mode="folded"),

@@ -7,7 +7,7 @@
 Builds LlamaForCausalLM with random bf16 weights (hidden 4096, 32 heads, 8 KV
 heads, head_dim 128, intermediate 14336), compiles it three ways (Inductor with
 stock SDPA, backend="dma" with the device's default policy, and
-dma_backend(AttentionPolicy.hopper() with FP8 P·V)) and times one prefill
+dma_backend of Hopper's policy with P·V in the input dtype) and times one prefill
 forward per sequence length (median of CUDA-event timings after warm-up).
 Logits at a fixed set of positions are compared with the SDPA variant
 (relative error, top-1 agreement). A second table times the attention call
@@ -54,16 +54,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--positions", type=int, default=256, help="logit positions compared per sequence")
-    parser.add_argument("--variants", default="sdpa,dma,dma-fp8pv", help="subset of sdpa,dma,dma-fp8pv")
+    parser.add_argument("--variants", default="sdpa,dma,dma-input-pv", help="subset of sdpa,dma,dma-input-pv")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, to check the script itself")
     parser.add_argument("--out", default="bench_llama.json", help="JSON results path")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.seq = [int(s) for s in args.seq.split(",")]
     args.variants = args.variants.split(",")
-    unknown = set(args.variants) - {"sdpa", "dma", "dma-fp8pv"}
+    unknown = set(args.variants) - {"sdpa", "dma", "dma-input-pv"}
     if unknown:
-        parser.error(f"--variants: unknown {sorted(unknown)}; accepted: sdpa, dma, dma-fp8pv")
+        parser.error(f"--variants: unknown {sorted(unknown)}; accepted: sdpa, dma, dma-input-pv")
     if args.tiny:
         args.layers, args.seq, args.positions = min(args.layers, 2), [s for s in args.seq if s <= 512] or [128, 256], 64
     return args
@@ -119,7 +119,7 @@ def compile_variant(model, name: str, device: torch.device):
         return torch.compile(model), None
     if name == "dma":
         return torch.compile(model, backend="dma"), default_policy(device).to_string()
-    policy = AttentionPolicy.hopper().replace(pv="fp8")
+    policy = AttentionPolicy.preset("hopper_input_pv")
     return torch.compile(model, backend=dma_backend(policy)), policy.to_string()
 
 
@@ -205,7 +205,7 @@ def bench_attention(args, device, results, save) -> None:
     shapes = TINY if args.tiny else LLAMA3_8B
     hq, hkv, d = shapes["num_attention_heads"], shapes["num_key_value_heads"], shapes["head_dim"]
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    dma_policies = {"dma": default_policy(device), "dma-fp8pv": AttentionPolicy.hopper().replace(pv="fp8")}
+    dma_policies = {"dma": default_policy(device), "dma-input-pv": AttentionPolicy.preset("hopper_input_pv")}
     steps = tqdm(total=len(args.seq) * 2, desc="attention alone", unit="shape")
     for n in args.seq:
         torch.manual_seed(args.seed)

@@ -11,7 +11,7 @@ validation, routing and, for decode-shaped queries, the stock SDPA the op
 runs. On meta tensors only the dispatcher and validation run.
 
 With --device cuda the kernel rows run the sm90 kernel at --shape (B, Hq,
-Hkv, L, D), causal, default policy (and --fp8-pv), synchronizing after each
+Hkv, L, D), causal, default policy (and --input-pv), synchronizing after each
 round; keep --calls small enough (default 100) that the launch queue never
 fills, or the host time includes waiting for the GPU. The breakdown splits
 the call: the op without the kernel path (dispatch, validation, routing), the
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=5, default=(1, 32, 8, 1024, 128), metavar=("B", "HQ", "HKV", "L", "D"))
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--fp8-pv", action="store_true", help="time the default policy with FP8 P·V too")
+    parser.add_argument("--input-pv", action="store_true", help="time the default policy with P·V in the input dtype too")
     parser.add_argument("--no-first-call", action="store_true", help="skip the fresh-process first-call runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -195,12 +195,12 @@ def main() -> None:
         "dma_attention, decode query (runs SDPA)": lambda: dma_attention(*decode, policy=policy),
         "torch.ops.dma.attention on meta tensors (dispatch + checks)": lambda: op(*meta, None, True, None, text, "auto"),
     }
-    policies = [policy, policy.replace(pv="fp8")] if args.fp8_pv else [policy]
+    policies = [policy, policy.replace(pv="input")] if args.input_pv else [policy]
     with torch.inference_mode():
         if device.type == "cuda":
             for i, pol in enumerate(policies):
                 rows = kernel_cases(tuple(args.shape), pol, device, dtype)
-                cases.update({(f"[pv=fp8] {name}" if i else name): fn for name, fn in rows.items()})
+                cases.update({(f"[pv=input] {name}" if i else name): fn for name, fn in rows.items()})
         times = per_call_us(cases, args.calls, args.rounds, sync)
     rows = [[name, f"{host:.1f}", f"{wall:.1f}"] for name, (host, wall) in times.items()]
     print(f"device {device}, torch {torch.__version__}, {args.rounds} rounds of {args.calls} calls, policy {text}")

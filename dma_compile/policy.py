@@ -204,7 +204,8 @@ class AttentionPolicy:
     @classmethod
     def hopper(cls) -> "AttentionPolicy":
         """DMA on Hopper's precision ladder: input dtype on sink and diagonal
-        tiles, folded MXFP8 (per-token FP8 on fp8 tensor cores) elsewhere."""
+        tiles, folded MXFP8 (per-token FP8 on fp8 tensor cores) elsewhere,
+        P·V in FP8 (the preset "hopper_input_pv" keeps it in the input dtype)."""
         return cls.preset("hopper")
 
     @classmethod
@@ -216,10 +217,14 @@ class AttentionPolicy:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {},
-    "hopper": {"hi": "none", "lo": "mxfp8_e4m3", "mx_mode": "folded"},
+    # FP8 P·V: the faster path of the Gluon kernel for a small accuracy cost
+    # (BENCHMARKS.md, "FP8 P·V as Hopper's default").
+    "hopper": {"hi": "none", "lo": "mxfp8_e4m3", "mx_mode": "folded", "pv": "fp8"},
+    "hopper_input_pv": {"hi": "none", "lo": "mxfp8_e4m3", "mx_mode": "folded"},
     "all_mxfp8": {"hi": "mxfp8_e4m3", "lo": "mxfp8_e4m3"},
     "all_mxfp4": {"hi": "mxfp4_e2m1", "lo": "mxfp4_e2m1"},
-    "exact": {"hi": "none", "lo": "none", "smooth_k": False},
+    # pv named although it is the default: calibration's last resort applies this over Hopper's FP8 P·V.
+    "exact": {"hi": "none", "lo": "none", "smooth_k": False, "pv": "input"},
     # The MXFP4 presets with the rotation that measured best over both held-out
     # samples of BENCHMARKS.md; the others gain nothing measurable from it.
     "paper_rotated": {"rotate": "signed_hadamard"},

@@ -20,7 +20,8 @@ POLICIES = {
     "all MXFP8": AttentionPolicy.preset("all_mxfp8"),
     "all MXFP4": AttentionPolicy.preset("all_mxfp4"),
     "DMA paper (MXFP8 diag+sink, MXFP4 else)": AttentionPolicy.paper(),
-    "DMA Hopper (input diag+sink, folded MXFP8 else)": AttentionPolicy.hopper(),
+    "DMA Hopper (input diag+sink, folded MXFP8 else, FP8 P·V)": AttentionPolicy.hopper(),
+    "DMA Hopper, P·V in the input dtype": AttentionPolicy.preset("hopper_input_pv"),
 }
 
 

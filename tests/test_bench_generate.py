@@ -28,7 +28,7 @@ def test_tiny_run_has_every_variant_with_finite_numbers(bench, tmp_path, capsys)
     results = bench.main(["--tiny", "--warmup", "0", "--repeats", "1", "--new-tokens", "4", "--out", str(out)])
     printed = capsys.readouterr().out
     rows = results["rows"]
-    assert [(r["variant"], r["mode"]) for r in rows] == [("sdpa", "eager"), ("dma", "eager"), ("dma-fp8pv", "eager")]
+    assert [(r["variant"], r["mode"]) for r in rows] == [("sdpa", "eager"), ("dma", "eager"), ("dma-input-pv", "eager")]
     for row in rows:
         assert "error" not in row, row
         assert row["prompt"] == 64 and row["layers"] == 2
@@ -40,7 +40,7 @@ def test_tiny_run_has_every_variant_with_finite_numbers(bench, tmp_path, capsys)
         assert isinstance(row["argmax_agree"], bool)
     assert rows[0]["ttft_x_sdpa"] == 1.0
     assert json.loads(out.read_text())["rows"] == rows
-    assert "2 decoder layers" in printed and "dma-fp8pv" in printed
+    assert "2 decoder layers" in printed and "dma-input-pv" in printed
     assert "target: compiled DMA TTFT >= 1.4x compiled SDPA at 16384 tokens: not measured" in printed
 
 

@@ -12,7 +12,9 @@ def test_cost_model_known_values():
     paper = AttentionPolicy.paper()
     assert policy_cost(paper, "sm100", 2048) == pytest.approx((31 * 1 + 105 * 0.5 + 136 * 2) / (136 * 4))
     assert format_fraction(paper, 2048) == pytest.approx(105 / 136)
-    assert policy_cost(AttentionPolicy.hopper(), "sm90", 2048) == pytest.approx((31 + 105 * 0.5 + 136) / 272)
+    assert policy_cost(AttentionPolicy.hopper(), "sm90", 2048) == pytest.approx((31 + 105 * 0.5 + 136 * 0.5) / 272)
+    assert policy_cost(AttentionPolicy.preset("hopper_input_pv"), "sm90", 2048) == pytest.approx(
+        (31 + 105 * 0.5 + 136) / 272)
     # Exact MX numerics on Hopper run at bf16 speed.
     assert policy_cost(paper, "sm90", 2048) == pytest.approx(1.0)
     assert policy_cost(exact_policy("sm100"), "sm100") == pytest.approx(1.0)

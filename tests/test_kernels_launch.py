@@ -18,7 +18,7 @@ import triton
 
 from dma_compile.policy import AttentionPolicy
 
-HOPPER = AttentionPolicy.hopper().replace(tile=32)
+HOPPER = AttentionPolicy.preset("hopper_input_pv").replace(tile=32)
 POLICIES = {
     "hopper": HOPPER,
     "hopper_fp8pv": HOPPER.replace(pv="fp8"),

@@ -34,7 +34,7 @@ from dma_compile.reference import dma_attention_reference
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (no GPU)")
 
-HOPPER = AttentionPolicy.hopper()
+HOPPER = AttentionPolicy.preset("hopper_input_pv")
 PAPER_FOLDED = AttentionPolicy(mx_mode="folded")
 PAPER_EXACT = AttentionPolicy()
 ALL_MXFP8 = AttentionPolicy.preset("all_mxfp8").replace(mx_mode="folded")

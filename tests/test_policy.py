@@ -16,7 +16,8 @@ def test_default_is_the_paper_configuration():
 
 def test_hopper_preset():
     p = AttentionPolicy.hopper()
-    assert (p.hi, p.lo, p.mx_mode) == ("none", "mxfp8_e4m3", "folded")
+    assert (p.hi, p.lo, p.mx_mode, p.pv) == ("none", "mxfp8_e4m3", "folded", "fp8")
+    assert AttentionPolicy.preset("hopper_input_pv") == p.replace(pv="input")
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from dma_compile import AttentionPolicy, dma_attention
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 IMPLS = ["reference", "sm90", "sm100"]
-HOPPER = AttentionPolicy.hopper().replace(tile=32)
+HOPPER = AttentionPolicy.preset("hopper_input_pv").replace(tile=32)
 L, BAD = 40, 35
 CHANNEL = 3
 

@@ -20,7 +20,7 @@ from dma_compile import AttentionPolicy, dma_attention
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 IMPLS = ["reference", "sm90", "sm100"]
-HOPPER = AttentionPolicy.hopper().replace(tile=32)
+HOPPER = AttentionPolicy.preset("hopper_input_pv").replace(tile=32)
 POLICIES = {"hopper": HOPPER, "paper_folded_fp8pv": AttentionPolicy(tile=32, mx_mode="folded", pv="fp8")}
 LENGTHS = (40, 29)
 

@@ -17,7 +17,7 @@ CONFIGS = [
     ("paper", "paper", {}),
     ("mxfp8_fp8pv_causal", "hi=mxfp8_e5m2,lo=mxfp8_e4m3,pv=fp8", {"is_causal": True}),
     ("none_mxfp4_boolmask_fp16", "hi=none,lo=mxfp4_e2m1", {"mask": "bool", "dtype": "float16", "head_dim": 64}),
-    ("folded_additive", "hopper", {"mask": "additive"}),
+    ("folded_additive", "hopper_input_pv", {"mask": "additive"}),
 ]
 MMA = re.compile(r"\btcgen05\.mma\.cta_group::[12]\.kind::[\w.:]+")
 

@@ -16,7 +16,7 @@ from offline_compile import compile_configs, compile_in_subprocess, count_matche
 
 # (name, policy string, compile_sm90 keyword arguments)
 CONFIGS = [
-    ("hopper_causal", "hopper", {"is_causal": True}),
+    ("hopper_input_pv_causal", "hopper_input_pv", {"is_causal": True}),
     ("hopper_fp8pv_boolmask_fp16_d64", "hi=none,lo=mxfp8_e4m3,mx=folded,pv=fp8",
      {"mask": "bool", "dtype": "float16", "head_dim": 64}),
     ("paper_folded_additive", "hi=mxfp8_e4m3,lo=mxfp4_e2m1,mx=folded", {"mask": "additive", "is_causal": True}),
@@ -43,7 +43,7 @@ def test_sm90_ptx_uses_the_policies_tensor_cores():
         return set(configs[name]["wgmma"])
 
     # "none" sink/diagonal tiles and P·V on bf16 tensor cores, folded MXFP8 on e4m3 ones.
-    assert kinds("hopper_causal") == {"bf16xbf16", "e4m3xe4m3"}
+    assert kinds("hopper_input_pv_causal") == {"bf16xbf16", "e4m3xe4m3"}
     # fp16 inputs: "none" tiles in fp16; folded tiles and FP8 P·V in e4m3.
     assert kinds("hopper_fp8pv_boolmask_fp16_d64") == {"f16xf16", "e4m3xe4m3"}
     # Folded MXFP8 and MXFP4 both run as per-token e4m3; P·V in bf16.

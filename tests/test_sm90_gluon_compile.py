@@ -22,7 +22,7 @@ from offline_compile import compile_configs, compile_in_subprocess, count_matche
 
 # (name, policy string, compile_sm90_gluon keyword arguments)
 CONFIGS = [
-    ("hopper_causal", "hopper", {"is_causal": True}),
+    ("hopper_input_pv_causal", "hopper_input_pv", {"is_causal": True}),
     ("hopper_fp8pv_fp16_d64", "hi=none,lo=mxfp8_e4m3,mx=folded,pv=fp8", {"dtype": "float16", "head_dim": 64}),
     ("paper_folded_causal", "hi=mxfp8_e4m3,lo=mxfp4_e2m1,mx=folded", {"is_causal": True}),
     ("all_mxfp8_fp8pv", "hi=mxfp8_e4m3,lo=mxfp8_e4m3,mx=folded,pv=fp8", {"is_causal": False}),
@@ -75,7 +75,7 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
             assert info["loop_local_stores"] == 0, f"{name}: spills in the matmul loops {info}"
             assert info["loop_local_loads"] <= info["matmul_loops"], f"{name}: reloads in the matmul loops {info}"
             assert info["block_n"] == 128 or info["wide_spills"] > 0, name
-    assert kinds["hopper_causal"] == {"bf16xbf16", "e4m3xe4m3"}
+    assert kinds["hopper_input_pv_causal"] == {"bf16xbf16", "e4m3xe4m3"}
     assert kinds["hopper_fp8pv_fp16_d64"] == {"f16xf16", "e4m3xe4m3"}
     assert kinds["paper_folded_causal"] == {"e4m3xe4m3", "bf16xbf16"}
     assert kinds["all_mxfp8_fp8pv"] == {"e4m3xe4m3"}
