@@ -14,7 +14,7 @@ SDPA and DMA (the device's default policy, and Hopper's with P·V in the input d
 - eager: attn_implementation="sdpa", or "dma" after dma_compile.hf.register(policy);
 - compiled (--compiled or --modes compiled): model.forward = torch.compile(model.forward,
   mode="reduce-overhead") with Inductor's stock SDPA or backend=dma_backend(policy),
-  and a static cache (cache_implementation="static").
+  and a StaticCache allocated before the first compiled call.
 
 Per variant and prompt length, from a streamer that notes when each new token
 reaches the host: time to first token (prefill and the first token, from the
@@ -161,11 +161,26 @@ def set_up(model, variant: Variant, eager_forward):
     return None if variant.policy is None else backend
 
 
-def generate(model, ids, new_tokens: int, variant: Variant, **kw):
-    static = {"cache_implementation": "static"} if variant.mode == "compiled" else {}
+def static_cache(model, ids, new_tokens: int):
+    """The compiled variants' StaticCache, its buffers allocated before the
+    first compiled call: allocated lazily inside the compiled prefill, they
+    would be outputs of a CUDA graph that the next replay overwrites."""
+    from transformers import StaticCache
+
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=ids.shape[1] + new_tokens)
+    cache.early_initialization(ids.shape[0], config.num_key_value_heads, config.head_dim, model.dtype, ids.device)
+    return cache
+
+
+def generate(model, ids, new_tokens: int, variant: Variant, cache=None, **kw):
+    """Greedy generate(); with `cache` (a compiled variant's StaticCache), on it, emptied first."""
+    if cache is not None:
+        cache.reset()
+        kw.update(dma_compile.hf.cache_kwargs(model, cache))
     return model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=0, disable_compile=True, **static, **kw,
+        do_sample=False, pad_token_id=0, disable_compile=True, **kw,
     )
 
 
@@ -184,13 +199,14 @@ class TokenClock:
         pass
 
 
-def timed_generate(model, ids, variant: Variant, new_tokens: int, device: torch.device) -> tuple[float, float]:
+def timed_generate(model, ids, variant: Variant, new_tokens: int, device: torch.device,
+                   cache=None) -> tuple[float, float]:
     """Seconds to the first new token and from it to the last."""
     clock = TokenClock()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    generate(model, ids, new_tokens, variant, streamer=clock)
+    generate(model, ids, new_tokens, variant, cache, streamer=clock)
     if len(clock.times) != new_tokens + 1:
         raise RuntimeError(f"generate produced {len(clock.times) - 1} tokens, expected {new_tokens}")
     return clock.times[1] - start, clock.times[-1] - clock.times[1]
@@ -217,17 +233,18 @@ class PrefillSites:
 def measure(args, model, variant: Variant, backend, ids, device, row: dict) -> torch.Tensor:
     """Fills row with the timings; returns the last-position prefill logits."""
     sites = PrefillSites(model, backend) if backend is not None else None
-    # The full-length call first: it sizes the static cache, and the shorter calls
-    # after it get one of the same size, so they run the same compiled graphs.
-    first_token_s, decode_s = timed_generate(model, ids, variant, args.new_tokens, device)
+    # Sized for the full-length call; the shorter one below runs on it too.
+    cache = static_cache(model, ids, args.new_tokens) if variant.mode == "compiled" else None
+    first_token_s, decode_s = timed_generate(model, ids, variant, args.new_tokens, device, cache)
     row["first_generate_s"] = first_token_s + decode_s
     if sites is not None:
         row["dma_sites"] = sites.summary()
-    out = generate(model, ids, 1, variant, output_logits=True, return_dict_in_generate=True)
+    out = generate(model, ids, 1, variant, cache, output_logits=True, return_dict_in_generate=True)
     logits = out.logits[0][0].float()
     for _ in range(args.warmup):
-        generate(model, ids, args.new_tokens, variant)
-    first, decode = zip(*(timed_generate(model, ids, variant, args.new_tokens, device) for _ in range(args.repeats)))
+        generate(model, ids, args.new_tokens, variant, cache)
+    first, decode = zip(*(timed_generate(model, ids, variant, args.new_tokens, device, cache)
+                          for _ in range(args.repeats)))
     row["ttft_ms"] = statistics.median(first) * 1e3
     row["decode_tok_s"] = (args.new_tokens - 1) / statistics.median(decode)
     return logits
