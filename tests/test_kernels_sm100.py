@@ -174,7 +174,8 @@ def test_masks_match_reference(seed, kind, mask_heads, block_m, block_n):
     _assert_discriminates(q, k, v, mask, False, policy, ref, FP32_TOL)
 
 
-@pytest.mark.parametrize("policy", [AttentionPolicy.preset("hopper_input_pv"), AttentionPolicy(mx_mode="folded", diag_tiles=2),
+@pytest.mark.parametrize("policy", [AttentionPolicy.preset("hopper_input_pv"),
+                                    AttentionPolicy(mx_mode="folded", diag_tiles=2),
                                     AttentionPolicy(mx_mode="folded", rotate="signed_hadamard")])
 def test_folded_matches_reference(seed, policy):
     """Folded MX (per-token e4m3 with one power of two per row and column) on fp8 tl.dot."""

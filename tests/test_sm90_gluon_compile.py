@@ -7,10 +7,11 @@ the machine code, that it is warp-specialized with register reallocation
 as asynchronous wgmma on the tensor cores each policy names, and keeps the
 state of its matmul loops in registers: no local-memory store inside them,
 and at most one reload of a loop invariant per loop (ptxas reloads a
-per-thread offset that way with Triton 3.9). The script's table also counts
-the warpgroup barriers (bar.sync) per matmul loop: Triton puts one before
-each `mbarrier.arrive` (BENCHMARKS.md, per-thread releases). Spills outside those loops (a
-scalar reloaded once per tile of the persistent grid) are reported, not failed.
+per-thread offset that way with Triton 3.9). Spills outside those loops (a
+scalar reloaded once per tile of the persistent grid) are reported, not
+failed. The script's table also counts the warpgroup barriers (bar.sync)
+per matmul loop: Triton puts one before each `mbarrier.arrive`
+(BENCHMARKS.md, 2026-12-05, per-thread releases).
 
 Run as a script (`python tests/test_sm90_gluon_compile.py`) it prints the
 same per configuration.
