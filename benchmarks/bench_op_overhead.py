@@ -174,7 +174,8 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=5, default=(1, 32, 8, 1024, 128), metavar=("B", "HQ", "HKV", "L", "D"))
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--input-pv", action="store_true", help="time the default policy with P·V in the input dtype too")
+    parser.add_argument("--input-pv", action="store_true",
+                        help="time the default policy with P·V in the input dtype too")
     parser.add_argument("--no-first-call", action="store_true", help="skip the fresh-process first-call runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()

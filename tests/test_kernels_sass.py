@@ -35,11 +35,12 @@ def test_an_outer_loop_is_not_innermost():
 
 def test_fp8_matmul_loops_and_their_barriers_count():
     fp8 = SASS.replace("HGMMA.64x128x16.F32 R24, gdesc[UR8]", "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8]")
-    fp8 = fp8.replace("/*0060*/                   LDL R4, [R1+0x4] ;", "/*0060*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;")
+    # A barrier between the loops, then one inside the first.
+    fp8 = fp8.replace("LDL R4, [R1+0x4] ;", "BAR.SYNC.DEFER_BLOCKING 0x0 ;")
     loops = matmul_loops(fp8)
     assert [(loop["start"], loop["end"], loop["matmuls"]) for loop in loops] == [(0x20, 0x50, 1), (0x70, 0x80, 1)]
     assert [loop["barriers"] for loop in loops] == [0, 0]
-    in_loop = fp8.replace("/*0030*/                   LDL R3, [R1] ;", "/*0030*/                   BAR.SYNC 0x2, 0x80 ;")
+    in_loop = fp8.replace("LDL R3, [R1] ;", "BAR.SYNC 0x2, 0x80 ;")
     assert [loop["barriers"] for loop in matmul_loops(in_loop)] == [1, 0]
 
 
