@@ -41,6 +41,7 @@ LLAMA3_8B = dict(
     head_dim=128, vocab_size=128256, rope_theta=500000.0,
 )
 TARGET_SPEEDUP = 1.25  # prefill at the longest length, DMA over stock SDPA
+VARIANT_NAMES = ("sdpa", "dma", "dma-input-pv")
 TINY = dict(
     hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
     head_dim=64, vocab_size=1000, rope_theta=10000.0,
@@ -54,16 +55,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--positions", type=int, default=256, help="logit positions compared per sequence")
-    parser.add_argument("--variants", default="sdpa,dma,dma-input-pv", help="subset of sdpa,dma,dma-input-pv")
+    parser.add_argument("--variants", default=",".join(VARIANT_NAMES), help=f"subset of {','.join(VARIANT_NAMES)}")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, to check the script itself")
     parser.add_argument("--out", default="bench_llama.json", help="JSON results path")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.seq = [int(s) for s in args.seq.split(",")]
     args.variants = args.variants.split(",")
-    unknown = set(args.variants) - {"sdpa", "dma", "dma-input-pv"}
+    unknown = set(args.variants) - set(VARIANT_NAMES)
     if unknown:
-        parser.error(f"--variants: unknown {sorted(unknown)}; accepted: sdpa, dma, dma-input-pv")
+        parser.error(f"--variants: unknown {sorted(unknown)}; accepted: {', '.join(VARIANT_NAMES)}")
     if args.tiny:
         args.layers, args.seq, args.positions = min(args.layers, 2), [s for s in args.seq if s <= 512] or [128, 256], 64
     return args

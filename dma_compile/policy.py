@@ -215,12 +215,14 @@ class AttentionPolicy:
         return cls(**PRESETS[name])
 
 
+# Hopper's precision ladder: input dtype on sink and diagonal tiles, folded MXFP8 elsewhere.
+_HOPPER_TILES = {"hi": "none", "lo": "mxfp8_e4m3", "mx_mode": "folded"}
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {},
     # FP8 P·V: the faster path of the Gluon kernel for a small accuracy cost
     # (BENCHMARKS.md, "FP8 P·V as Hopper's default").
-    "hopper": {"hi": "none", "lo": "mxfp8_e4m3", "mx_mode": "folded", "pv": "fp8"},
-    "hopper_input_pv": {"hi": "none", "lo": "mxfp8_e4m3", "mx_mode": "folded"},
+    "hopper": {**_HOPPER_TILES, "pv": "fp8"},
+    "hopper_input_pv": _HOPPER_TILES,
     "all_mxfp8": {"hi": "mxfp8_e4m3", "lo": "mxfp8_e4m3"},
     "all_mxfp4": {"hi": "mxfp4_e2m1", "lo": "mxfp4_e2m1"},
     # pv named although it is the default: calibration's last resort applies this over Hopper's FP8 P·V.
