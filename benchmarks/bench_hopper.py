@@ -36,10 +36,11 @@ from dma_compile.kernels.attention_sm90 import attention_sm90, quantize_inputs
 from dma_compile.kernels.attention_sm90_gluon import attention_sm90_gluon, gluon_attention_from_quantized
 from dma_compile.reference import dma_attention_reference
 
-HOPPER = AttentionPolicy.hopper()
+# "hopper" is the default on sm_90 (FP8 P·V); HOPPER keeps P·V in the input dtype.
+HOPPER = AttentionPolicy.preset("hopper_input_pv")
 POLICIES = {
-    "hopper": HOPPER,
-    "hopper_fp8pv": HOPPER.replace(pv="fp8"),
+    "hopper_input_pv": HOPPER,
+    "hopper": AttentionPolicy.hopper(),
     "paper_folded": AttentionPolicy(mx_mode="folded"),
     "all_fp8_fp8pv": AttentionPolicy.preset("all_mxfp8").replace(mx_mode="folded", pv="fp8"),
 }
@@ -51,7 +52,7 @@ SHAPES = [
 ]
 CHECK_CASES = [  # (name, policy, B, Hq, Hkv, Lq, Lk, D, causal, dtype)
     ("hopper_causal_gqa_tail", HOPPER, 2, 4, 2, 300, 300, 128, True, torch.bfloat16),
-    ("hopper_fp8pv_causal", HOPPER.replace(pv="fp8"), 1, 4, 4, 517, 517, 128, True, torch.bfloat16),
+    ("hopper_causal", AttentionPolicy.hopper(), 1, 4, 4, 517, 517, 128, True, torch.bfloat16),
     ("paper_folded_lq_lt_lk", AttentionPolicy(mx_mode="folded"), 1, 2, 1, 200, 455, 128, False, torch.bfloat16),
     ("hopper_d64_fp16", HOPPER, 2, 3, 1, 390, 390, 64, True, torch.float16),
     ("all_fp8_fp8pv_lq_gt_lk", POLICIES["all_fp8_fp8pv"], 1, 2, 2, 400, 260, 64, False, torch.bfloat16),

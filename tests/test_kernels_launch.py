@@ -60,7 +60,7 @@ def fake_kernels(monkeypatch):
 
     log = []
     for module, name in [(quantize, "_quantize_tokens_kernel"), (quantize, "_kv_stats_kernel"),
-                         (quantize, "_kv_stats_finalize_kernel"), (quantize, "_quantize_v_kernel"),
+                         (quantize, "_quantize_kv_kernel"),
                          (attention_sm90, "_dma_attention_kernel")]:
         monkeypatch.setattr(module, name, FakeKernel(getattr(module, name), log))
     monkeypatch.setattr(attention_sm90, "INTERPRET", False)
@@ -145,6 +145,55 @@ def test_replay_passes_what_a_triton_launch_of_the_same_call_would(fake_kernels,
     translate = {x.data_ptr(): x.data_ptr() for x in (q, k, v)}
     translate[triton_out.data_ptr()] = out.data_ptr()
     check_replay_matches_triton(list(log), replayed, translate)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("hopper", ["_kv_stats_kernel", "_quantize_tokens_kernel", "_dma_attention_kernel"]),
+    ("hopper_fp8pv", ["_kv_stats_kernel", "_quantize_kv_kernel", "_dma_attention_kernel"]),
+])
+def test_a_call_makes_three_launches(fake_kernels, name, expected):
+    """Statistics with Q (the last chunk of each head combining the others),
+    then K (with V^T for FP8 P·V), then attention: each launch costs host time."""
+    from dma_compile.kernels import attention_sm90
+
+    attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES[name])
+    assert [entry[1].__name__ for entry in fake_kernels] == expected
+
+
+def test_replay_zeroes_the_counters_it_was_given_as_zeros(monkeypatch):
+    """A buffer the call allocated with `launch.zeros` reads zeros in every
+    replay, in a workspace that starts as garbage; the other buffers are not
+    touched by the fill."""
+    import ctypes
+
+    from dma_compile.kernels import launch
+
+    seen = []
+
+    class Kernel:
+        arg_names = ["COUNTS", "OTHER", "X", "OUT"]
+
+        def __getitem__(self, grid):
+            return lambda *args: Compiled()
+
+    class Compiled:
+        def __getitem__(self, grid):
+            def run(counts, other, x, out):
+                seen.append((list((ctypes.c_int32 * 8).from_address(counts)),
+                             list((ctypes.c_uint8 * 4).from_address(other))))
+            return run
+
+    x = torch.randn(16)
+    out = torch.empty(16)
+    with launch.recording() as rec:
+        counts = launch.zeros(8, x.device)
+        other = torch.empty(64, dtype=torch.uint8)
+        launch.launch(Kernel(), (1,), counts, other, x, out)
+    replay = rec.replay((x,), out)
+    assert replay is not None and replay.zeroed_bytes >= 32
+    monkeypatch.setattr(launch, "_workspace", lambda n, device: torch.full((n,), 0xAB, dtype=torch.uint8))
+    replay.run((torch.randn(16),))
+    assert seen == [([0] * 8, [0xAB] * 4)]
 
 
 def test_replay_needs_the_same_signature(fake_kernels):

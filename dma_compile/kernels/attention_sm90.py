@@ -49,9 +49,9 @@ from dma_compile.kernels.quantize import (
     Operand,
     key_keep_arguments,
     kv_statistics,
+    launch_tokens,
     plan_tokens,
-    quantize_tokens,
-    quantize_values_fp8,
+    quantize_keys_and_values,
 )
 from dma_compile.kernels.schedule import (
     block_counts,
@@ -410,15 +410,18 @@ def quantize_inputs(
     stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8", alongside=q_plan,
                           key_keep=key_keep, key_limit=key_limit)
     smoothed_none = "none" in policy.formats and stats.key_mean is not None
-    k_ops = quantize_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
-                            write_none=smoothed_none, pow2_scales=True, rotate=policy.rotate)
-    q_ops = {"none": Operand(q), **q_plan.operands}
-    k_ops.setdefault("none", Operand(k))
-    q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]
+    k_plan = plan_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
+                         write_none=smoothed_none, pow2_scales=True, rotate=policy.rotate)
+    v_op, v_scales = v, None
     if policy.pv == "fp8":
-        v8 = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)
-        return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v8, stats.value_scales, q.dtype, key_keep, key_limit)
-    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v, None, q.dtype, key_keep, key_limit)
+        v_op = quantize_keys_and_values(k_plan, v, stats.value_exponents, key_keep, key_limit)
+        v_scales = stats.value_scales
+    else:
+        launch_tokens(k_plan)
+    q_ops = {"none": Operand(q), **q_plan.operands}
+    k_ops = {"none": Operand(k), **k_plan.operands}
+    q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]
+    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v_op, v_scales, q.dtype, key_keep, key_limit)
 
 
 def _copyable(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ call makes four to six launches. `Recording` watches the launches of one call
 made through `launch`; when every tensor they read or write is one of the
 call's inputs, its output, or a buffer the call allocated and filled by those
 same launches, `Recording.replay` turns them into a `Replay`: one workspace
-allocation for all the buffers, and each launch straight through the kernel
+allocation for all the buffers (zeroed where the call allocated them with
+`zeros`), and each launch straight through the kernel
 Triton compiled for the first call (`CompiledKernel[grid](*args)`, whose
 specialisation the caller's signature key fixes), with pointers as integers.
 Under Triton's interpreter nothing is compiled, so nothing is replayed.
@@ -64,6 +65,7 @@ class Recording:
     def __init__(self):
         self.launches: list[_Launch] = []
         self.replayable = True
+        self.zeroed: list[int] = []  # storage addresses of the buffers `zeros` allocated
 
     def forbid_replay(self) -> None:
         """The call did work outside the recorded launches (e.g. a torch copy): never replay it."""
@@ -80,6 +82,15 @@ class Recording:
         out_storage = out.untyped_storage().data_ptr()
         buffers: dict[int, int] = {}  # storage address -> offset in the workspace
         size = 0
+        # The zeroed buffers first, so that one fill at the workspace's start zeroes them all.
+        for rec in self.launches:
+            for value in rec.args.values():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self.zeroed:
+                    base = value.untyped_storage().data_ptr()
+                    if base not in buffers:
+                        buffers[base] = size
+                        size += cdiv(value.untyped_storage().nbytes(), _ALIGN) * _ALIGN
+        zeroed_bytes = size
         launches = []
         for rec in self.launches:
             names = rec.fn.arg_names
@@ -110,7 +121,7 @@ class Recording:
             # CompiledKernel[grid] reads three grid dimensions (JITFunction.run pads them).
             grid = tuple(rec.grid) + (1,) * (3 - len(rec.grid))
             launches.append((rec.compiled[grid], values, tuple(slots)))
-        return Replay(tuple(launches), max(size, 1), tuple(out.shape), out.dtype)
+        return Replay(tuple(launches), max(size, 1), zeroed_bytes, tuple(out.shape), out.dtype)
 
 
 @dataclass(frozen=True)
@@ -119,13 +130,16 @@ class Replay:
 
     launches: tuple
     workspace_bytes: int
+    zeroed_bytes: int
     out_shape: tuple
     out_dtype: torch.dtype
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         device = inputs[0].device
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
-        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+        workspace = _workspace(self.workspace_bytes, device)
+        if self.zeroed_bytes:
+            workspace[: self.zeroed_bytes].zero_()
         bases = [x.data_ptr() for x in inputs]
         bases.append(workspace.data_ptr())
         bases.append(out.data_ptr())
@@ -136,6 +150,10 @@ class Replay:
                 args[i] = address if desc is None else _descriptor_at(desc, address)
             runner(*args)
         return out
+
+
+def _workspace(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 _active = threading.local()
@@ -159,6 +177,17 @@ def forbid_replay() -> None:
     rec = getattr(_active, "rec", None)
     if rec is not None:
         rec.forbid_replay()
+
+
+def zeros(numel: int, device: torch.device) -> torch.Tensor:
+    """An int32 buffer of zeros for counters that a launch increments; a
+    replay of the call zeroes it again (torch's fill is cheaper on the host
+    than a launch of ours)."""
+    buffer = torch.zeros(numel, dtype=torch.int32, device=device)
+    rec = getattr(_active, "rec", None)
+    if rec is not None:
+        rec.zeroed.append(buffer.untyped_storage().data_ptr())
+    return buffer
 
 
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")

@@ -23,9 +23,12 @@ K's mean over keys (smoothing) and V's per-channel amax, over the finite
 values of the keys that count (docs/semantics.md; `key_keep`, `key_limit`),
 come from a small reduction pass first: many programs per (batch, head),
 each over a chunk of keys, accumulating element-wise in registers (one
-cross-thread reduction at the end, not one per block of keys), then a tiny
-kernel that combines the chunks. Q, which needs no statistics, can be quantized by further programs
-of the same launch (`kv_statistics(..., alongside=plan_tokens(q, ...))`).
+cross-thread reduction at the end, not one per block of keys); the last
+chunk of a head to finish combines them. Q, which needs no statistics, is
+quantized by further programs of the same launch
+(`kv_statistics(..., alongside=plan_tokens(q, ...))`), and K and V, which
+need them, by one launch after it (`quantize_keys_and_values`): with FP8
+P·V a call makes three launches, the attention kernel's included.
 The rounding is bit-identical to `dma_compile.formats` (nearest even,
 saturating, rceil/floor scale rules, E8M0 exponents clamped to [-127, 127],
 NaN/Inf blocks read back NaN).
@@ -57,7 +60,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
-from dma_compile.kernels.launch import cdiv, launch, next_power_of_2
+from dma_compile.kernels.launch import cdiv, launch, next_power_of_2, zeros
 from dma_compile.kernels.numerics import (
     FMT_CODES,
     HW_CVT,
@@ -223,40 +226,9 @@ def _kv_stats_chunk(
 
 
 @triton.jit
-def _kv_stats_kernel(
-    K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
-    KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, N_STATS,
-    X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX, N_TOKEN_BLOCKS,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
-    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
-    DX: tl.constexpr, BLOCK_T: tl.constexpr,
-    FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
-    ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
-):
-    """The statistics chunks (the first N_STATS programs), then the token
-    blocks of an independent tensor X (Q) to quantize, if any.
-
-    Sharing the launch saves one launch: its host time, start and tail.
-    """
-    pid = tl.program_id(0)
-    if pid < N_STATS:
-        _kv_stats_chunk(
-            pid % N_CHUNKS, pid // N_CHUNKS, K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
-            KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, D, DV, BLOCK_L, NEED_K, NEED_V, HAS_KEEP,
-            HW_CVT)
-    else:
-        t = pid - N_STATS
-        _quantize_token_block(
-            t % N_TOKEN_BLOCKS, t // N_TOKEN_BLOCKS, X, sx_b, sx_h, sx_l, sx_d,
-            X, X, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX,
-            DX, BLOCK_T, False, False, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, INV_SQRT_D)
-
-
-@triton.jit
-def _kv_stats_finalize_kernel(
-    KSUM, KCNT, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS,
-    NCH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    NEED_K: tl.constexpr, NEED_V: tl.constexpr,
+def _kv_stats_finalize(
+    pid_bh, KSUM, KCNT, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS,
+    NCH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NEED_K: tl.constexpr, NEED_V: tl.constexpr,
 ):
     """K's mean over the counted finite values (reference.key_mean: float64
     sum and division, then float32; 0 without any); V's per-channel e4m3
@@ -265,21 +237,23 @@ def _kv_stats_finalize_kernel(
     A float64 sum of 16-bit inputs is exact or nearly so in any order, so the
     mean rounds to the same float32 as the reference's; a float32 sum would
     differ by a few ulps, and smoothed keys near an MX rounding boundary would
-    then round the other way.
+    then round the other way. The chunks' partial results are read past L1
+    (.cg): other programs wrote them.
     """
-    pid_bh = tl.program_id(0)
     c = tl.arange(0, NCH)[:, None]
     c_ok = c < N_CHUNKS
     if NEED_K:
         dk = tl.arange(0, D)
-        parts = tl.load(KSUM + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0.0)
-        count = tl.sum(tl.load(KCNT + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0), axis=0)
+        parts = tl.load(KSUM + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0.0, cache_modifier=".cg")
+        counts = tl.load(KCNT + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0, cache_modifier=".cg")
+        count = tl.sum(counts, axis=0)
         # A float64 `/` compiles to a correctly rounded division (float32's may not).
         mean = tl.sum(parts, axis=0) / tl.maximum(count, 1).to(tl.float64)
         tl.store(MEAN + pid_bh * D + dk, tl.where(count > 0, mean, 0.0).to(tl.float32))
     if NEED_V:
         dv = tl.arange(0, DV)
-        amax = tl.max(tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0), axis=0)
+        amax = tl.max(tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0,
+                              cache_modifier=".cg"), axis=0)
         # A channel without a nonzero value gets scale 1, as reference.fp8_value_scale.
         amax = tl.where(amax > 0, amax, 448.0)
         e, frac = log2_parts(amax)
@@ -289,11 +263,53 @@ def _kv_stats_finalize_kernel(
 
 
 @triton.jit
-def _quantize_v_kernel(
-    V, sv_b, sv_h, sv_l, sv_d, VEXP, OUT, KEEP, skp_b, skp_h, H, L, L_COUNTED, L_PAD,
+def _kv_stats_kernel(
+    K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
+    KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, N_STATS,
+    DONE, MEAN, VEXP, VSCALE,
+    X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX, N_TOKEN_BLOCKS,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr, NCH: tl.constexpr,
+    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
+    DX: tl.constexpr, BLOCK_T: tl.constexpr,
+    FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
+    ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
+):
+    """The statistics chunks (the first N_STATS programs), then the token
+    blocks of an independent tensor X (Q) to quantize, if any.
+
+    The last chunk of a (batch, head) to finish, by the count in DONE
+    (zeros at launch), combines the chunks' partial results; the launch
+    thus needs no second one for that, nor one of its own for Q (each
+    launch costs host time, a start and a tail).
+    """
+    pid = tl.program_id(0)
+    if pid < N_STATS:
+        pid_bh = pid // N_CHUNKS
+        _kv_stats_chunk(
+            pid % N_CHUNKS, pid_bh, K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
+            KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, D, DV, BLOCK_L, NEED_K, NEED_V, HAS_KEEP,
+            HW_CVT)
+        # Every thread's partial results are written before the count
+        # (release) and read after it (acquire) by the last chunk.
+        tl.debug_barrier()
+        done = tl.atomic_add(DONE + pid_bh, 1, sem="acq_rel", scope="gpu")
+        if done == N_CHUNKS - 1:
+            _kv_stats_finalize(pid_bh, KSUM, KCNT, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS, NCH, D, DV, NEED_K, NEED_V)
+    else:
+        t = pid - N_STATS
+        _quantize_token_block(
+            t % N_TOKEN_BLOCKS, t // N_TOKEN_BLOCKS, X, sx_b, sx_h, sx_l, sx_d,
+            X, X, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX,
+            DX, BLOCK_T, False, False, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, INV_SQRT_D)
+
+
+@triton.jit
+def _quantize_v_block(
+    pid_t, pid_bh, V, sv_b, sv_h, sv_l, sv_d, VEXP, OUT, KEEP, skp_b, skp_h, H, L, L_COUNTED, L_PAD,
     DV: tl.constexpr, BLOCK_T: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """e4m3(V / 2^e) per channel, stored transposed: OUT (B*H, DV, L_PAD).
+    """Keys block pid_t of (batch, head) pid_bh as e4m3(V / 2^e) per channel,
+    stored transposed: OUT (B*H, DV, L_PAD).
 
     Keys that do not count (at or past L_COUNTED, or zero in KEEP) are
     stored as zeros: no query row attends them, and a zero keeps their
@@ -303,8 +319,6 @@ def _quantize_v_kernel(
     BLOCK_T keys per program so each channel's row of the output is written
     as one run of BLOCK_T bytes (Triton transposes through shared memory).
     """
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -321,6 +335,31 @@ def _quantize_v_kernel(
     bits = tl.where(counted[:, None], bits, 0)
     dst = OUT + pid_bh.to(tl.int64) * DV * L_PAD
     tl.store(dst + d[:, None] * L_PAD + t[None, :], tl.trans(bits), mask=ok[None, :])
+
+
+@triton.jit
+def _quantize_kv_kernel(
+    X, sx_b, sx_h, sx_l, sx_d, MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS,
+    H, L, N_TOKEN_BLOCKS, N_TOKEN_PROGRAMS,
+    V, sv_b, sv_h, sv_l, sv_d, VEXP, VT, KEEP, skp_b, skp_h, HV, LV, L_COUNTED, L_PAD, N_V_BLOCKS,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
+    FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
+    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEEP: tl.constexpr,
+):
+    """The token blocks of X (K: smoothed, quantized; the first
+    N_TOKEN_PROGRAMS programs), then V's blocks into e4m3 V^T: both need
+    the statistics, so they share the launch after it."""
+    pid = tl.program_id(0)
+    if pid < N_TOKEN_PROGRAMS:
+        _quantize_token_block(
+            pid % N_TOKEN_BLOCKS, pid // N_TOKEN_BLOCKS, X, sx_b, sx_h, sx_l, sx_d,
+            MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, H, L,
+            D, BLOCK_T, SMOOTH, WRITE_NONE, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, INV_SQRT_D)
+    else:
+        t = pid - N_TOKEN_PROGRAMS
+        _quantize_v_block(t % N_V_BLOCKS, t // N_V_BLOCKS, V, sv_b, sv_h, sv_l, sv_d, VEXP, VT, KEEP, skp_b, skp_h,
+                          HV, LV, L_COUNTED, L_PAD, DV, BLOCK_V, HAS_KEEP, HW_CVT)
 
 
 @dataclass
@@ -423,7 +462,8 @@ def plan_tokens(
     return plan
 
 
-def _launch_tokens(plan: TokenPlan) -> None:
+def launch_tokens(plan: TokenPlan) -> None:
+    """Carry out plan by a launch of its own."""
     if plan.args is not None:
         launch(_quantize_tokens_kernel, (plan.blocks_per_head, plan.heads), **plan.args, num_warps=4)
 
@@ -447,7 +487,7 @@ def quantize_tokens(
     formats (not to "none").
     """
     plan = plan_tokens(x, formats, mx_mode, scale_rule, mean, write_none, pow2_scales, rotate)
-    _launch_tokens(plan)
+    launch_tokens(plan)
     return plan.operands
 
 
@@ -515,11 +555,12 @@ def kv_statistics(
     k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale: bool, alongside: TokenPlan | None = None,
     key_keep: torch.Tensor | None = None, key_limit: int | None = None,
 ) -> KVStatistics:
-    """One pass over K and V (chunked over keys, then a small finalize kernel).
+    """One launch over K and V, chunked over keys, whose last chunk per head
+    combines the others' (see _kv_stats_finalize).
 
-    The key mean equals reference.key_mean's (see _kv_stats_finalize_kernel).
+    The key mean equals reference.key_mean's (see _kv_stats_finalize).
     alongside: an unsmoothed token plan of another tensor (Q), carried out
-    by the same launch when only K's mean is asked (by its own launch otherwise).
+    by the same launch (by its own where no statistics are asked).
     key_keep, key_limit: which keys count (reference.counted_keys): those
     below key_limit (default: all) that key_keep, broadcastable to
     (B, H, Lk) (e.g. `masks.MaskInfo.kept_keys`), marks nonzero; non-finite
@@ -529,13 +570,9 @@ def kv_statistics(
         alongside.args["SMOOTH"] or alongside.args["WRITE_NONE"]
     ):
         raise ValueError("alongside: only a plan without mean and write_none can share the statistics launch")
-    if alongside is not None and (value_scale or not key_mean):
-        # V's statistics take 64 keys of K and V per step: their programs'
-        # registers would cut the token programs' occupancy (4% slower on an
-        # H200 than two launches). Without statistics there is no launch to share.
-        _launch_tokens(alongside)
-        alongside = None
     if not (key_mean or value_scale):
+        if alongside is not None:
+            launch_tokens(alongside)
         return KVStatistics(None, None, None)
     b, h, full_length, d = k.shape
     dv = v.shape[-1]
@@ -549,34 +586,39 @@ def kv_statistics(
     ksum = torch.empty(b * h, n_chunks, d, dtype=torch.float64, device=dev) if key_mean else None
     kcnt = torch.empty(b * h, n_chunks, d, dtype=torch.int32, device=dev) if key_mean else None
     vmax = torch.empty(b * h, n_chunks, dv, dtype=torch.float32, device=dev) if value_scale else None
+    mean = torch.empty(b, h, d, dtype=torch.float32, device=dev) if key_mean else None
+    vexp = torch.empty(b, h, dv, dtype=torch.int32, device=dev) if value_scale else None
+    vscale = torch.empty(b, h, dv, dtype=torch.float32, device=dev) if value_scale else None
+    done = zeros(b * h, dev)
     n_stats = n_chunks * b * h
     token_args, n_token_programs = _shared_token_args(alongside, k)
     some_stat = ksum if key_mean else vmax
+    some = mean if key_mean else vscale
     launch(
         _kv_stats_kernel, (n_stats + n_token_programs,), k, *k.stride(), v, *v.stride(),
         some_stat, kcnt if key_mean else some_stat, vmax if value_scale else some_stat, keep, skp_b, skp_h,
         h, length, chunk, n_chunks, n_stats,
-        D=d, DV=dv, BLOCK_L=block_l, NEED_K=key_mean, NEED_V=value_scale, HAS_KEEP=has_keep, HW_CVT=HW_CVT,
-        **token_args, num_warps=4,
-    )
-    mean = torch.empty(b, h, d, dtype=torch.float32, device=dev) if key_mean else None
-    vexp = torch.empty(b, h, dv, dtype=torch.int32, device=dev) if value_scale else None
-    vscale = torch.empty(b, h, dv, dtype=torch.float32, device=dev) if value_scale else None
-    some = mean if key_mean else vscale
-    launch(
-        _kv_stats_finalize_kernel, (b * h,),
-        some_stat, kcnt if key_mean else some_stat, vmax if value_scale else some_stat,
-        some, vexp if value_scale else some, vscale if value_scale else some,
-        n_chunks,
-        NCH=next_power_of_2(n_chunks), D=d, DV=dv, NEED_K=key_mean, NEED_V=value_scale, num_warps=4,
+        done, some, vexp if value_scale else some, vscale if value_scale else some,
+        D=d, DV=dv, BLOCK_L=block_l, NCH=next_power_of_2(n_chunks), NEED_K=key_mean, NEED_V=value_scale,
+        HAS_KEEP=has_keep, HW_CVT=HW_CVT, **token_args, num_warps=4,
     )
     return KVStatistics(mean, vexp, vscale)
 
 
-def quantize_values_fp8(
-    v: torch.Tensor, value_exponents: torch.Tensor, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
+def _value_block(dv: int) -> int:
+    """Keys per program of V's pass at 4 warps: 128 (128-byte output rows) at
+    D 128 and 64 at D 64, as measured best on an H200; 32 at D 256 keeps the
+    elements per thread of D 128 (not measured)."""
+    return 128 if dv == 128 else (64 if dv < 128 else 32)
+
+
+def quantize_keys_and_values(
+    keys: TokenPlan | None, v: torch.Tensor, value_exponents: torch.Tensor,
+    key_keep: torch.Tensor | None = None, key_limit: int | None = None,
 ) -> torch.Tensor:
-    """e4m3(V / 2^e) transposed to (B, H, Dv, L_pad), L_pad a multiple of 16.
+    """K's token plan (`plan_tokens`, smoothed by the statistics' mean), if
+    any, and V into e4m3 V^T, in one launch. Returns V^T: e4m3(V / 2^e)
+    transposed to (B, H, Dv, L_pad), L_pad a multiple of 16.
 
     key_keep, key_limit: as for `kv_statistics`; keys that do not count are
     stored as zeros, non-finite elements as e4m3 NaN.
@@ -585,14 +627,30 @@ def quantize_values_fp8(
     keep, skp_b, skp_h, has_keep = key_keep_arguments(key_keep, b, h, length, v)
     l_pad = cdiv(length, 16) * 16
     out = torch.empty(b, h, dv, l_pad, dtype=torch.float8_e4m3fn, device=v.device)
-    # Measured on an H200: 128 keys (128-byte output rows) and 4 warps at
-    # D 128, 64 keys and 4 warps at D 64; D 256 keeps 64 keys and 8 warps
-    # (16384 elements per program, as before; not measured).
-    block_t, warps = (128, 4) if dv == 128 else ((64, 8) if dv > 128 else (64, 4))
+    block_v = _value_block(dv)
+    n_v_blocks = cdiv(length, block_v)
+    if keys is None or keys.args is None:
+        p = v
+        token_args = dict(X=p, sx_b=0, sx_h=0, sx_l=0, sx_d=0, MEAN=p, NONE_OUT=p, OUT1=p, EXPS1=p, SCALES1=p,
+                          OUT2=p, EXPS2=p, SCALES2=p, SIGNS=p, H=1, L=1, N_TOKEN_BLOCKS=1, N_TOKEN_PROGRAMS=0,
+                          D=32, BLOCK_T=8, SMOOTH=False, WRITE_NONE=False, FMT1=0, FMT2=0, FOLDED=True,
+                          RCEIL=True, POW2=False, ROTATE=False, INV_SQRT_D=1.0)
+    else:
+        token_args = {**keys.args, "N_TOKEN_BLOCKS": keys.blocks_per_head,
+                      "N_TOKEN_PROGRAMS": keys.blocks_per_head * keys.heads}
+    token_args["HW_CVT"] = HW_CVT
     launch(
-        _quantize_v_kernel, (cdiv(length, block_t), b * h),
-        v, *v.stride(), value_exponents, out.view(torch.uint8), keep, skp_b, skp_h, h, length,
-        length if key_limit is None else key_limit, l_pad,
-        DV=dv, BLOCK_T=block_t, HAS_KEEP=has_keep, HW_CVT=HW_CVT, num_warps=warps,
+        _quantize_kv_kernel, (token_args["N_TOKEN_PROGRAMS"] + n_v_blocks * b * h,),
+        V=v, sv_b=v.stride(0), sv_h=v.stride(1), sv_l=v.stride(2), sv_d=v.stride(3), VEXP=value_exponents,
+        VT=out.view(torch.uint8), KEEP=keep, skp_b=skp_b, skp_h=skp_h, HV=h, LV=length,
+        L_COUNTED=length if key_limit is None else key_limit, L_PAD=l_pad, N_V_BLOCKS=n_v_blocks,
+        DV=dv, BLOCK_V=block_v, HAS_KEEP=has_keep, **token_args, num_warps=4,
     )
     return out
+
+
+def quantize_values_fp8(
+    v: torch.Tensor, value_exponents: torch.Tensor, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
+) -> torch.Tensor:
+    """V alone into e4m3 V^T (`quantize_keys_and_values` without keys)."""
+    return quantize_keys_and_values(None, v, value_exponents, key_keep, key_limit)
