@@ -30,6 +30,7 @@ DMA_COMPILE_AUTOTUNE=1. --out writes everything as JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -87,8 +88,8 @@ def kernel_cases(shape, policy: AttentionPolicy, device, dtype) -> dict:
     replay = attention_sm90._replays.get(attention_sm90.signature(q, k, v, True, None, policy))
     if not isinstance(replay, Replay):
         raise RuntimeError(f"the call at {label} was not replayable")
-    quantization = Replay(replay.launches[:-1], replay.workspace_bytes, replay.out_shape, replay.out_dtype)
-    attention = Replay(replay.launches[-1:], replay.workspace_bytes, replay.out_shape, replay.out_dtype)
+    quantization = dataclasses.replace(replay, launches=replay.launches[:-1])
+    attention = dataclasses.replace(replay, launches=replay.launches[-1:], zeroed_bytes=0)
     qi = attention_sm90.quantize_inputs(q, k, v, policy)
     scale = d ** -0.5
 

@@ -52,6 +52,7 @@ from dma_compile.kernels.quantize import (
     launch_tokens,
     plan_tokens,
     quantize_keys_and_values,
+    quantize_values_fp8,
 )
 from dma_compile.kernels.schedule import (
     block_counts,
@@ -395,29 +396,44 @@ class QuantizedInputs:
     key_limit: int | None = None
 
 
+# Elements of K and V from which the pass with FP8 P·V takes five launches
+# instead of three: small calls are bound by host time and launch gaps, large
+# ones by bandwidth, where Q's programs in the statistics launch (beside V's
+# statistics) and V^T's beside K's token programs run slower than in launches
+# of their own (BENCHMARKS.md, 2026-12-05, "Fewer launches").
+FEWEST_LAUNCHES_BELOW = 2**24
+
+
 def quantize_inputs(
     q, k, v, policy: AttentionPolicy, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
 ) -> QuantizedInputs:
     """The quantization pass: K's (and V's) statistics and Q, then K (and V),
-    in the kernel's layouts.
+    in the kernel's layouts, in three launches (five for large calls with
+    FP8 P·V, `FEWEST_LAUNCHES_BELOW`).
 
     k and v must already have their stride-0 heads collapsed (`schedule.collapse_expanded_heads`).
     key_keep, key_limit: the keys that count (`masks.counted_key_arguments`; default all).
     """
     mx_formats = tuple(f for f in policy.formats if f != "none")
     q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True, rotate=policy.rotate)
-    # Q needs no statistics, so it can share their launch (see kv_statistics).
-    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8", alongside=q_plan,
-                          key_keep=key_keep, key_limit=key_limit)
+    fp8_pv = policy.pv == "fp8"
+    fewest_launches = not fp8_pv or k.numel() + v.numel() < FEWEST_LAUNCHES_BELOW
+    if not fewest_launches:
+        launch_tokens(q_plan)
+    stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=fp8_pv,
+                          alongside=q_plan if fewest_launches else None, key_keep=key_keep, key_limit=key_limit)
     smoothed_none = "none" in policy.formats and stats.key_mean is not None
     k_plan = plan_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
                          write_none=smoothed_none, pow2_scales=True, rotate=policy.rotate)
     v_op, v_scales = v, None
-    if policy.pv == "fp8":
+    if fp8_pv and fewest_launches:
         v_op = quantize_keys_and_values(k_plan, v, stats.value_exponents, key_keep, key_limit)
-        v_scales = stats.value_scales
     else:
         launch_tokens(k_plan)
+        if fp8_pv:
+            v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)
+    if fp8_pv:
+        v_scales = stats.value_scales
     q_ops = {"none": Operand(q), **q_plan.operands}
     k_ops = {"none": Operand(k), **k_plan.operands}
     q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]

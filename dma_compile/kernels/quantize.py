@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
-from dma_compile.kernels.launch import cdiv, launch, next_power_of_2, zeros
+from dma_compile.kernels.launch import cdiv, launch, zeros
 from dma_compile.kernels.numerics import (
     FMT_CODES,
     HW_CVT,
@@ -228,7 +228,7 @@ def _kv_stats_chunk(
 @triton.jit
 def _kv_stats_finalize(
     pid_bh, KSUM, KCNT, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS,
-    NCH: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NEED_K: tl.constexpr, NEED_V: tl.constexpr,
+    FIN_CHUNKS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NEED_K: tl.constexpr, NEED_V: tl.constexpr,
 ):
     """K's mean over the counted finite values (reference.key_mean: float64
     sum and division, then float32; 0 without any); V's per-channel e4m3
@@ -238,22 +238,29 @@ def _kv_stats_finalize(
     mean rounds to the same float32 as the reference's; a float32 sum would
     differ by a few ulps, and smoothed keys near an MX rounding boundary would
     then round the other way. The chunks' partial results are read past L1
-    (.cg): other programs wrote them.
+    (.cg: other programs wrote them), FIN_CHUNKS at a time: the registers
+    of the launch's other programs are what this one needs at most.
     """
-    c = tl.arange(0, NCH)[:, None]
-    c_ok = c < N_CHUNKS
+    c = tl.arange(0, FIN_CHUNKS)[:, None]
     if NEED_K:
         dk = tl.arange(0, D)
-        parts = tl.load(KSUM + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0.0, cache_modifier=".cg")
-        counts = tl.load(KCNT + (pid_bh * N_CHUNKS + c) * D + dk[None, :], mask=c_ok, other=0, cache_modifier=".cg")
-        count = tl.sum(counts, axis=0)
+        total = tl.zeros([D], dtype=tl.float64)
+        count = tl.zeros([D], dtype=tl.int32)
+        for c0 in range(0, N_CHUNKS, FIN_CHUNKS):
+            rows = (pid_bh * N_CHUNKS + c0 + c) * D + dk[None, :]
+            ok = c0 + c < N_CHUNKS
+            total += tl.sum(tl.load(KSUM + rows, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+            count += tl.sum(tl.load(KCNT + rows, mask=ok, other=0, cache_modifier=".cg"), axis=0)
         # A float64 `/` compiles to a correctly rounded division (float32's may not).
-        mean = tl.sum(parts, axis=0) / tl.maximum(count, 1).to(tl.float64)
+        mean = total / tl.maximum(count, 1).to(tl.float64)
         tl.store(MEAN + pid_bh * D + dk, tl.where(count > 0, mean, 0.0).to(tl.float32))
     if NEED_V:
         dv = tl.arange(0, DV)
-        amax = tl.max(tl.load(VMAX + (pid_bh * N_CHUNKS + c) * DV + dv[None, :], mask=c_ok, other=0.0,
-                              cache_modifier=".cg"), axis=0)
+        amax = tl.zeros([DV], dtype=tl.float32)
+        for c0 in range(0, N_CHUNKS, FIN_CHUNKS):
+            rows = (pid_bh * N_CHUNKS + c0 + c) * DV + dv[None, :]
+            part = tl.load(VMAX + rows, mask=c0 + c < N_CHUNKS, other=0.0, cache_modifier=".cg")
+            amax = tl.maximum(amax, tl.max(part, axis=0))
         # A channel without a nonzero value gets scale 1, as reference.fp8_value_scale.
         amax = tl.where(amax > 0, amax, 448.0)
         e, frac = log2_parts(amax)
@@ -268,7 +275,7 @@ def _kv_stats_kernel(
     KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, N_STATS,
     DONE, MEAN, VEXP, VSCALE,
     X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX, N_TOKEN_BLOCKS,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr, NCH: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr, FIN_CHUNKS: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
     DX: tl.constexpr, BLOCK_T: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
@@ -294,7 +301,8 @@ def _kv_stats_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(DONE + pid_bh, 1, sem="acq_rel", scope="gpu")
         if done == N_CHUNKS - 1:
-            _kv_stats_finalize(pid_bh, KSUM, KCNT, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS, NCH, D, DV, NEED_K, NEED_V)
+            _kv_stats_finalize(pid_bh, KSUM, KCNT, VMAX, MEAN, VEXP, VSCALE, N_CHUNKS, FIN_CHUNKS, D, DV, NEED_K,
+                               NEED_V)
     else:
         t = pid - N_STATS
         _quantize_token_block(
@@ -599,7 +607,7 @@ def kv_statistics(
         some_stat, kcnt if key_mean else some_stat, vmax if value_scale else some_stat, keep, skp_b, skp_h,
         h, length, chunk, n_chunks, n_stats,
         done, some, vexp if value_scale else some, vscale if value_scale else some,
-        D=d, DV=dv, BLOCK_L=block_l, NCH=next_power_of_2(n_chunks), NEED_K=key_mean, NEED_V=value_scale,
+        D=d, DV=dv, BLOCK_L=block_l, FIN_CHUNKS=32, NEED_K=key_mean, NEED_V=value_scale,
         HAS_KEEP=has_keep, HW_CVT=HW_CVT, **token_args, num_warps=4,
     )
     return KVStatistics(mean, vexp, vscale)
