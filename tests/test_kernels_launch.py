@@ -160,6 +160,16 @@ def test_a_call_makes_three_launches(fake_kernels, name, expected):
     assert [entry[1].__name__ for entry in fake_kernels] == expected
 
 
+def test_large_fp8_pv_calls_give_q_and_v_launches_of_their_own(fake_kernels, monkeypatch):
+    from dma_compile.kernels import attention_sm90
+
+    monkeypatch.setattr(attention_sm90, "FEWEST_LAUNCHES_BELOW", 0)
+    attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES["hopper_fp8pv"])
+    assert [entry[1].__name__ for entry in fake_kernels] == [
+        "_quantize_tokens_kernel", "_kv_stats_kernel", "_quantize_tokens_kernel", "_quantize_kv_kernel",
+        "_dma_attention_kernel"]
+
+
 def test_replay_zeroes_the_counters_it_was_given_as_zeros(monkeypatch):
     """A buffer the call allocated with `launch.zeros` reads zeros in every
     replay, in a workspace that starts as garbage; the other buffers are not

@@ -425,19 +425,18 @@ def quantize_inputs(
     smoothed_none = "none" in policy.formats and stats.key_mean is not None
     k_plan = plan_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
                          write_none=smoothed_none, pow2_scales=True, rotate=policy.rotate)
-    v_op, v_scales = v, None
-    if fp8_pv and fewest_launches:
+    if not fp8_pv:
+        launch_tokens(k_plan)
+        v_op = v
+    elif fewest_launches:
         v_op = quantize_keys_and_values(k_plan, v, stats.value_exponents, key_keep, key_limit)
     else:
         launch_tokens(k_plan)
-        if fp8_pv:
-            v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)
-    if fp8_pv:
-        v_scales = stats.value_scales
+        v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)
     q_ops = {"none": Operand(q), **q_plan.operands}
     k_ops = {"none": Operand(k), **k_plan.operands}
     q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]
-    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v_op, v_scales, q.dtype, key_keep, key_limit)
+    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v_op, stats.value_scales, q.dtype, key_keep, key_limit)
 
 
 def _copyable(x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ integer helpers, and a replay path for repeated calls.
 
 Triton's `kernel[grid](**args)` binds and specialises every argument on every
 launch (its cost grows with the kernel's argument count), and an eager DMA
-call makes four to six launches. `Recording` watches the launches of one call
+call makes three to five launches. `Recording` watches the launches of one call
 made through `launch`; when every tensor they read or write is one of the
 call's inputs, its output, or a buffer the call allocated and filled by those
 same launches, `Recording.replay` turns them into a `Replay`: one workspace

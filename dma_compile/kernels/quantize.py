@@ -27,8 +27,9 @@ cross-thread reduction at the end, not one per block of keys); the last
 chunk of a head to finish combines them. Q, which needs no statistics, is
 quantized by further programs of the same launch
 (`kv_statistics(..., alongside=plan_tokens(q, ...))`), and K and V, which
-need them, by one launch after it (`quantize_keys_and_values`): with FP8
-P·V a call makes three launches, the attention kernel's included.
+need them, by one launch after it (`quantize_keys_and_values`): a Hopper
+call makes three launches, the attention kernel's included (five for large
+ones with FP8 P·V: `attention_sm90.FEWEST_LAUNCHES_BELOW`).
 The rounding is bit-identical to `dma_compile.formats` (nearest even,
 saturating, rceil/floor scale rules, E8M0 exponents clamped to [-127, 127],
 NaN/Inf blocks read back NaN).
@@ -530,18 +531,30 @@ _SHARED_TOKEN_ARGS = ("X", "sx_b", "sx_h", "sx_l", "sx_d", "OUT1", "EXPS1", "SCA
                       "BLOCK_T", "FMT1", "FMT2", "FOLDED", "RCEIL", "POW2", "SIGNS", "ROTATE", "INV_SQRT_D")
 
 
+def _idle_token_args(placeholder: torch.Tensor) -> dict:
+    """`plan_tokens`' launch arguments for no tokens at all, for a launch
+    whose token programs share a kernel with other work and number zero."""
+    p = placeholder
+    return dict(X=p, sx_b=0, sx_h=0, sx_l=0, sx_d=0, MEAN=p, NONE_OUT=p, OUT1=p, EXPS1=p, SCALES1=p, OUT2=p,
+                EXPS2=p, SCALES2=p, H=1, L=1, D=32, BLOCK_T=8, SMOOTH=False, WRITE_NONE=False, FMT1=0, FMT2=0,
+                FOLDED=True, RCEIL=True, POW2=False, HW_CVT=HW_CVT, SIGNS=p, ROTATE=False, INV_SQRT_D=1.0)
+
+
+def _token_launch_args(plan: TokenPlan | None, placeholder: torch.Tensor) -> tuple[dict, int, int]:
+    """(plan's launch arguments, its token blocks per head, its number of
+    programs), the idle ones (`_idle_token_args`) and (1, 0) without one."""
+    if plan is None or plan.args is None:
+        return _idle_token_args(placeholder), 1, 0
+    return plan.args, plan.blocks_per_head, plan.blocks_per_head * plan.heads
+
+
 def _shared_token_args(plan: TokenPlan | None, placeholder: torch.Tensor) -> tuple[dict, int]:
     """`_kv_stats_kernel`'s token arguments for plan and its number of token
     programs (placeholders and 0 without one)."""
-    if plan is None or plan.args is None:
-        p = placeholder
-        return dict(X=p, sx_b=0, sx_h=0, sx_l=0, sx_d=0, OUT1=p, EXPS1=p, SCALES1=p, OUT2=p, EXPS2=p, SCALES2=p,
-                    HX=1, LX=1, N_TOKEN_BLOCKS=1, DX=32, BLOCK_T=8, FMT1=0, FMT2=0, FOLDED=True, RCEIL=True,
-                    POW2=False, SIGNS=p, ROTATE=False, INV_SQRT_D=1.0), 0
-    a = plan.args
+    a, blocks_per_head, programs = _token_launch_args(plan, placeholder)
     args = {name: a[name] for name in _SHARED_TOKEN_ARGS}
-    args.update(HX=a["H"], LX=a["L"], DX=a["D"], N_TOKEN_BLOCKS=plan.blocks_per_head)
-    return args, plan.blocks_per_head * plan.heads
+    args.update(HX=a["H"], LX=a["L"], DX=a["D"], N_TOKEN_BLOCKS=blocks_per_head)
+    return args, programs
 
 
 def key_keep_arguments(key_keep: torch.Tensor | None, b: int, h: int, length: int, placeholder: torch.Tensor):
@@ -637,21 +650,13 @@ def quantize_keys_and_values(
     out = torch.empty(b, h, dv, l_pad, dtype=torch.float8_e4m3fn, device=v.device)
     block_v = _value_block(dv)
     n_v_blocks = cdiv(length, block_v)
-    if keys is None or keys.args is None:
-        p = v
-        token_args = dict(X=p, sx_b=0, sx_h=0, sx_l=0, sx_d=0, MEAN=p, NONE_OUT=p, OUT1=p, EXPS1=p, SCALES1=p,
-                          OUT2=p, EXPS2=p, SCALES2=p, SIGNS=p, H=1, L=1, N_TOKEN_BLOCKS=1, N_TOKEN_PROGRAMS=0,
-                          D=32, BLOCK_T=8, SMOOTH=False, WRITE_NONE=False, FMT1=0, FMT2=0, FOLDED=True,
-                          RCEIL=True, POW2=False, ROTATE=False, INV_SQRT_D=1.0)
-    else:
-        token_args = {**keys.args, "N_TOKEN_BLOCKS": keys.blocks_per_head,
-                      "N_TOKEN_PROGRAMS": keys.blocks_per_head * keys.heads}
-    token_args["HW_CVT"] = HW_CVT
+    token_args, blocks_per_head, n_token_programs = _token_launch_args(keys, v)
     launch(
-        _quantize_kv_kernel, (token_args["N_TOKEN_PROGRAMS"] + n_v_blocks * b * h,),
+        _quantize_kv_kernel, (n_token_programs + n_v_blocks * b * h,),
         V=v, sv_b=v.stride(0), sv_h=v.stride(1), sv_l=v.stride(2), sv_d=v.stride(3), VEXP=value_exponents,
         VT=out.view(torch.uint8), KEEP=keep, skp_b=skp_b, skp_h=skp_h, HV=h, LV=length,
         L_COUNTED=length if key_limit is None else key_limit, L_PAD=l_pad, N_V_BLOCKS=n_v_blocks,
+        N_TOKEN_BLOCKS=blocks_per_head, N_TOKEN_PROGRAMS=n_token_programs,
         DV=dv, BLOCK_V=block_v, HAS_KEEP=has_keep, **token_args, num_warps=4,
     )
     return out
