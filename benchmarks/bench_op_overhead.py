@@ -21,7 +21,9 @@ call replays them (`kernels.launch.Replay`) and through Triton's own launcher
 processes time their first call at --shape (to the result on the host): one
 to warm Triton's cache, then warm-cache first calls with the default
 configuration rule, after `dma_compile.warmup`, and with
-DMA_COMPILE_AUTOTUNE=1. --out writes everything as JSON.
+DMA_COMPILE_AUTOTUNE=1. --out writes everything as JSON. --cprofile N
+profiles N eager dma_attention calls at --shape and prints the functions
+that took the most host time (with a GPU: where the 100 µs of a call go).
 
     python benchmarks/bench_op_overhead.py
     PYTHONPATH=. python benchmarks/bench_op_overhead.py --device cuda --out benchmarks/results/h200_op_overhead.json
@@ -169,6 +171,27 @@ def first_call_rows(shape, policy: AttentionPolicy) -> list[dict]:
     return rows
 
 
+def profile_calls(shape, policy: AttentionPolicy, device, dtype, calls: int, sync) -> None:
+    """cProfile of `calls` causal dma_attention calls at `shape` (after warm-up), top functions by own time."""
+    import cProfile
+    import pstats
+
+    q, k, v = qkv(shape, device, dtype)
+    with torch.inference_mode():
+        for _ in range(10):
+            dma_attention(q, k, v, is_causal=True, policy=policy)
+        sync()
+        profiler = cProfile.Profile()
+        for start in range(0, calls, 100):  # sync every 100 calls: the launch queue must not fill
+            profiler.enable()
+            for _ in range(min(100, calls - start)):
+                dma_attention(q, k, v, is_causal=True, policy=policy)
+            profiler.disable()
+            sync()
+    print(f"\ncProfile of {calls} dma_attention calls at {'x'.join(map(str, shape))} (top 30 by own time):")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -179,6 +202,8 @@ def main() -> None:
                         help="time the default policy with P·V in the input dtype too")
     parser.add_argument("--no-first-call", action="store_true", help="skip the fresh-process first-call runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also profile N eager dma_attention calls at --shape and print the top functions")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -207,6 +232,8 @@ def main() -> None:
     rows = [[name, f"{host:.1f}", f"{wall:.1f}"] for name, (host, wall) in times.items()]
     print(f"device {device}, torch {torch.__version__}, {args.rounds} rounds of {args.calls} calls, policy {text}")
     print(tabulate(rows, headers=["call", "host CPU µs/call", "wall µs/call"], tablefmt="github"))
+    if args.cprofile:
+        profile_calls(tuple(args.shape), policy, device, dtype, args.cprofile, sync)
     first = []
     if device.type == "cuda" and not args.no_first_call:
         first = first_call_rows(args.shape, policy)

@@ -29,12 +29,23 @@ POLICIES = {
 
 
 class FakeCompiled:
+    """Stands for Triton's CompiledKernel: its runner (`compiled[grid](*args,
+    stream=)`, logged as "replay_runner") and its launcher (`compiled.run`,
+    called as the runner calls it, logged as "replay")."""
+
+    function, packed_metadata = "function handle", "packed metadata"
+
     def __init__(self, fn, log):
         self.fn, self.log = fn, log
 
     def __getitem__(self, grid):
         assert len(grid) == 3, "CompiledKernel[grid] reads grid[0], grid[1] and grid[2]"
-        return lambda *args: self.log.append(("replay", self.fn, grid, list(args)))
+        return lambda *args, stream=None: self.log.append(("replay_runner", self.fn, grid, list(args)))
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        assert (function, metadata) == (self.function, self.packed_metadata)
+        assert launch_metadata is None and enter_hook is None and exit_hook is None
+        self.log.append(("replay", self.fn, (gx, gy, gz), list(args)))
 
 
 class FakeKernel:
@@ -147,6 +158,37 @@ def test_replay_passes_what_a_triton_launch_of_the_same_call_would(fake_kernels,
     check_replay_matches_triton(list(log), replayed, translate)
 
 
+def test_replay_goes_through_the_runner_while_a_launch_hook_is_set(fake_kernels, monkeypatch):
+    """Profilers hook Triton's launches; a replay must not bypass them."""
+    from triton import knobs
+
+    from dma_compile.kernels import attention_sm90, launch
+
+    workspaces = {}
+    monkeypatch.setattr(launch, "_workspace", lambda n, device: workspaces.setdefault(n, torch.empty(n, dtype=torch.uint8)))
+    q, k, v = inputs()
+    attention_sm90.attention_sm90(q, k, v, None, True, None, HOPPER)
+
+    def replayed():
+        fake_kernels.clear()
+        out = attention_sm90.attention_sm90(q, k, v, None, True, None, HOPPER)
+        start, end = out.data_ptr(), out.data_ptr() + out.untyped_storage().nbytes()
+        # Each replay's output is a new tensor: its pointers compared by offset.
+        return [(kind, fn, grid, [("out", a - start) if isinstance(a, int) and start <= a < end else
+                                  a if isinstance(a, int) else type(a) for a in args])
+                for kind, fn, grid, args in fake_kernels]
+
+    direct = replayed()
+    hooked = []
+    knobs.runtime.launch_enter_hook.add(hooked.append)
+    try:
+        through_runner = replayed()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hooked.append)
+    assert [e[0] for e in direct] == ["replay"] * 3 and [e[0] for e in through_runner] == ["replay_runner"] * 3
+    assert [e[1:] for e in direct] == [e[1:] for e in through_runner]
+
+
 @pytest.mark.parametrize("name, expected", [
     ("hopper", ["_kv_stats_kernel", "_quantize_tokens_kernel", "_dma_attention_kernel"]),
     ("hopper_fp8pv", ["_kv_stats_kernel", "_quantize_kv_kernel", "_dma_attention_kernel"]),
@@ -188,7 +230,7 @@ def test_replay_zeroes_the_counters_it_was_given_as_zeros(monkeypatch):
 
     class Compiled:
         def __getitem__(self, grid):
-            def run(counts, other, x, out):
+            def run(counts, other, x, out, stream=None):
                 seen.append((list((ctypes.c_int32 * 8).from_address(counts)),
                              list((ctypes.c_uint8 * 4).from_address(other))))
             return run

@@ -75,6 +75,13 @@ def test_short_queries_run_stock_sdpa_with_auto():
     assert not torch.allclose(forced, out, atol=1e-3)  # the forced reference quantizes
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_repeat_heads_is_repeat_interleave(seed, groups):
+    x = torch.randn(2, 3, 5, 8)[:, :, 1:]  # not contiguous
+    out = ops.repeat_heads(x, groups)
+    assert torch.equal(out, x.repeat_interleave(groups, dim=1)) and out.is_contiguous(), f"seed {seed}"
+
+
 def test_default_policy_and_strings_are_accepted():
     q, k, v = qkv()
     a = dma_attention(q, k, v, is_causal=True, policy=None)

@@ -120,7 +120,7 @@ class Recording:
                 values[i] = None  # filled per call; the template must not keep this call's tensors alive
             # CompiledKernel[grid] reads three grid dimensions (JITFunction.run pads them).
             grid = tuple(rec.grid) + (1,) * (3 - len(rec.grid))
-            launches.append((rec.compiled[grid], values, tuple(slots)))
+            launches.append((*_launchers(rec.compiled, grid), values, tuple(slots)))
         return Replay(tuple(launches), max(size, 1), zeroed_bytes, tuple(out.shape), out.dtype)
 
 
@@ -143,13 +143,49 @@ class Replay:
         bases = [x.data_ptr() for x in inputs]
         bases.append(workspace.data_ptr())
         bases.append(out.data_ptr())
-        for runner, template, slots in self.launches:
+        # (No stream off CUDA, where only the tests' stand-in kernels replay.)
+        stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
+        direct = not _launch_hooks()
+        for launch_on, runner, template, slots in self.launches:
             args = template.copy()
             for i, source, offset, desc in slots:
                 address = bases[source] + offset
                 args[i] = address if desc is None else _descriptor_at(desc, address)
-            runner(*args)
+            if direct:
+                launch_on(stream, *args)
+            else:
+                runner(*args, stream=stream)
         return out
+
+
+def _launchers(compiled, grid: tuple) -> tuple:
+    """Two ways to launch `compiled` over `grid`: `(stream, *args)` straight
+    through its launcher, and CompiledKernel's own runner (`*args, stream=`),
+    which also looks up the device and builds the metadata that launch hooks
+    (profilers such as proton) read; `Replay.run` takes it while hooks are set.
+    The attributes read here are named alike in Triton 3.6 to 3.9; where they
+    are missing, both ways are the runner."""
+    runner = compiled[grid]  # also loads the kernel's module
+    try:
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    except AttributeError:
+        return (lambda stream, *args: runner(*args, stream=stream)), runner
+    gx, gy, gz = grid
+
+    def launch_on(stream, *args):
+        run(gx, gy, gz, stream, function, metadata, None, None, None, *args)
+
+    return launch_on, runner
+
+
+def _launch_hooks() -> bool:
+    """Whether a Triton launch hook is set (then launches go through its runner).
+    Triton 3.6 to 3.9 keep each hook as a chain of calls, empty by default."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 def _workspace(nbytes: int, device: torch.device) -> torch.Tensor:

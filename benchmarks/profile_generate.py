@@ -1,0 +1,108 @@
+"""Where generate() spends GPU time: the kernels of one prefill and of the decode steps, per variant.
+
+    PYTHONPATH=. python3 benchmarks/profile_generate.py --modes compiled --prompt-len 4096
+    PYTHONPATH=. python3 benchmarks/profile_generate.py --tiny            # CPU smoke run
+
+Builds `bench_generate`'s Llama-3-8B-shaped model and sets each variant up as
+it does (eager or compiled with mode="reduce-overhead" on a StaticCache).
+After two untimed generate() calls, times one (time to first token, decode
+time per token) and profiles another (torch.profiler, CUDA kernels inside
+CUDA graphs included). Prints, per variant: the kernels that took the most
+GPU time with their launch counts (a kernel that runs once per layer and
+step shows layers x steps), the GPU time, the caching allocator's calls to
+the driver (cudaMalloc/cudaFree), and the CUDA graph trees' skip counters
+(a decode graph that is not captured pays every launch on the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from tabulate import tabulate
+
+import bench_generate as bg
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--variants", default="sdpa,dma", help="subset of sdpa,dma,dma-input-pv")
+    parser.add_argument("--modes", default="compiled", help="subset of eager,compiled")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per variant")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args(argv)
+    args.variants, args.modes = args.variants.split(","), args.modes.split(",")
+    for name, given, known in (("--variants", args.variants, bg.VARIANT_NAMES), ("--modes", args.modes, bg.MODES)):
+        if set(given) - set(known):
+            parser.error(f"{name}: unknown {sorted(set(given) - set(known))}; accepted: {', '.join(known)}")
+    if args.new_tokens < 2 or args.layers < 1 or args.prompt_len < 1:
+        parser.error("--new-tokens must be at least 2, --layers and --prompt-len positive")
+    if args.tiny:
+        args.layers, args.prompt_len, args.new_tokens = 2, 64, 4
+    return args
+
+
+def allocator_calls(prof) -> str:
+    """How often and how long the CUDA caching allocator went to the driver (cudaMalloc / cudaFree)."""
+    calls = collections.Counter()
+    times = collections.Counter()
+    for event in prof.events():
+        if event.name in ("cudaMalloc", "cudaFree"):
+            calls[event.name] += 1
+            times[event.name] += event.cpu_time_total
+    return ", ".join(f"{name} {calls[name]}x {times[name] / 1e3:.1f} ms" for name in sorted(calls)) or "none"
+
+
+def kernel_table(prof, top: int) -> tuple[list[list], float]:
+    """The `top` kernels by GPU time as rows (name, launches, total µs), and the total GPU µs."""
+    times, counts = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] += event.device_time
+            counts[event.name] += 1
+    total = sum(times.values())
+    rows = [[name[:90], counts[name], f"{us:.0f}", f"{us / max(total, 1e-9):.1%}"] for name, us in times.most_common(top)]
+    return rows, total
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    gen_args = argparse.Namespace(tiny=args.tiny, layers=args.layers, prompt_lens=[args.prompt_len],
+                                  new_tokens=args.new_tokens, seed=0)
+    model = bg.build_model(gen_args, device)
+    eager_forward = model.forward
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for variant in bg.variants(device, args.variants, args.modes):
+        bg.set_up(model, variant, eager_forward)
+        cache = bg.static_cache(model, ids, args.new_tokens) if variant.mode == "compiled" else None
+        torch._dynamo.utils.counters.clear()
+        for _ in range(2):
+            bg.generate(model, ids, args.new_tokens, variant, cache)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        first, rest = bg.timed_generate(model, ids, variant, args.new_tokens, device, cache)
+        with torch.profiler.profile(activities=activities) as prof:
+            bg.generate(model, ids, args.new_tokens, variant, cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        rows, total = kernel_table(prof, args.top)
+        skips = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cudagraph" in k}
+        print(f"\n{variant.label}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.layers} layers: "
+              f"unprofiled TTFT {first * 1e3:.2f} ms, decode {(rest / (args.new_tokens - 1)) * 1e3:.3f} ms/token; "
+              f"profiled: GPU kernel time {total / 1e3:.2f} ms, allocator {allocator_calls(prof)}; "
+              f"cudagraph counters {skips or 'none'}")
+        print(tabulate(rows, headers=["kernel", "launches", "GPU µs", "share"], tablefmt="github"))
+    model.forward = eager_forward
+    torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
