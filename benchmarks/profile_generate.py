@@ -6,7 +6,7 @@
 Builds `bench_generate`'s Llama-3-8B-shaped model and sets each variant up as
 it does (eager or compiled with mode="reduce-overhead" on a StaticCache).
 After two untimed generate() calls, times one (time to first token, decode
-time per token) and profiles another (torch.profiler, CUDA kernels inside
+time per token, Python's garbage collections meanwhile) and profiles another (torch.profiler, CUDA kernels inside
 CUDA graphs included). Prints, per variant: the kernels that took the most
 GPU time with their launch counts (a kernel that runs once per layer and
 step shows layers x steps), the GPU time, the caching allocator's calls to
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
+import time
 
 import torch
 from tabulate import tabulate
@@ -46,6 +48,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+class GcClock:
+    """Collections of Python's garbage collector and their time while active (`with GcClock() as gc_clock:`)."""
+
+    def __enter__(self):
+        self.count, self.full, self.seconds, self._start = 0, 0, 0.0, None
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.count += 1
+            self.full += info["generation"] == 2
+            self.seconds += time.perf_counter() - self._start
+
+    def __str__(self) -> str:
+        return f"{self.count} collections ({self.full} full) {self.seconds * 1e3:.1f} ms, {len(gc.get_objects())} objects"
+
+
 def allocator_calls(prof) -> str:
     """How often and how long the CUDA caching allocator went to the driver (cudaMalloc / cudaFree)."""
     calls = collections.Counter()
@@ -69,6 +94,19 @@ def kernel_table(prof, top: int) -> tuple[list[list], float]:
     return rows, total
 
 
+def profiled(fn, activities, device) -> tuple:
+    """(profile, wall seconds) of fn() run under torch.profiler, synchronized at both ends."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return prof, wall
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -88,15 +126,16 @@ def main(argv=None) -> None:
             bg.generate(model, ids, args.new_tokens, variant, cache)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        first, rest = bg.timed_generate(model, ids, variant, args.new_tokens, device, cache)
-        with torch.profiler.profile(activities=activities) as prof:
-            bg.generate(model, ids, args.new_tokens, variant, cache)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        with GcClock() as gc_clock:
+            first, rest = bg.timed_generate(model, ids, variant, args.new_tokens, device, cache)
+        prefill, prefill_gpu = profiled(lambda: bg.generate(model, ids, 1, variant, cache), activities, device)
+        prof = profiled(lambda: bg.generate(model, ids, args.new_tokens, variant, cache), activities, device)[0]
         rows, total = kernel_table(prof, args.top)
         skips = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cudagraph" in k}
         print(f"\n{variant.label}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.layers} layers: "
-              f"unprofiled TTFT {first * 1e3:.2f} ms, decode {(rest / (args.new_tokens - 1)) * 1e3:.3f} ms/token; "
+              f"unprofiled TTFT {first * 1e3:.2f} ms, decode {(rest / (args.new_tokens - 1)) * 1e3:.3f} ms/token, "
+              f"garbage collector {gc_clock}; profiled prefill (1 new token): GPU kernels "
+              f"{kernel_table(prefill, 0)[1] / 1e3:.2f} ms in {prefill_gpu * 1e3:.2f} ms; "
               f"profiled: GPU kernel time {total / 1e3:.2f} ms, allocator {allocator_calls(prof)}; "
               f"cudagraph counters {skips or 'none'}")
         print(tabulate(rows, headers=["kernel", "launches", "GPU µs", "share"], tablefmt="github"))

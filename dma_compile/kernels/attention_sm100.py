@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
+from dma_compile.kernels.codes import KIND_16BIT, KIND_FOLDED, KIND_MX, LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE
 from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
@@ -63,13 +64,8 @@ from dma_compile.kernels.schedule import (
 )
 from dma_compile.policy import AttentionPolicy
 
-LOG2E = 1.4426950408889634
-
-# How a precision class computes QK^T (constexpr KIND in the kernel).
-KIND_NONE, KIND_MX, KIND_FOLDED = 0, 1, 2
 # tl.dot_scaled's names of the element formats.
 DOT_SCALED_FORMAT = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4_e2m1": "e2m1"}
-MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
 # Triton 3.6 fails to compile a zero-initialised tl.dot_scaled in a loop for
 # sm_100 (3.9 does not): older versions get a zero it cannot see (see _qk).
 RUNTIME_ZERO_ACC = TRITON_VERSION < (3, 9)
@@ -95,18 +91,18 @@ def _load_q(Q, QS, s_l, offs_m, row_ok, D: tl.constexpr, KIND: tl.constexpr, FMT
     Q and QS point at this (batch, head)."""
     # MXFP4 MMAs reduce over at least 64 elements: a head_dim of 32 is padded
     # with zero elements of scale 1, which add nothing.
-    PAD: tl.constexpr = (KIND == 1) & (FMT == "e2m1") & (D < 64)
+    PAD: tl.constexpr = (KIND == KIND_MX) & (FMT == "e2m1") & (D < 64)
     DK: tl.constexpr = 64 if PAD else D
     W: tl.constexpr = DK // 2 if FMT == "e2m1" else DK
     w = tl.arange(0, W)
     ok = row_ok[:, None] & (w[None, :] < D // 2) if PAD else row_ok[:, None]
     q = tl.load(Q + offs_m[:, None].to(tl.int64) * s_l + w[None, :], mask=ok, other=0)
-    if KIND == 1:
+    if KIND == KIND_MX:
         nb = tl.arange(0, DK // 32)
         ok = row_ok[:, None] & (nb[None, :] < D // 32) if PAD else row_ok[:, None]
         # Rows past Lq get scale 1 (127): their payload is zero and they are never stored.
         qs = tl.load(QS + offs_m[:, None].to(tl.int64) * (D // 32) + nb[None, :], mask=ok, other=127)
-    elif KIND == 2:
+    elif KIND == KIND_FOLDED:
         q = q.to(tl.float8e4nv, bitcast=True)
         qs = pow2_wide(tl.load(QS + offs_m, mask=row_ok, other=0))
     else:
@@ -119,7 +115,7 @@ def _qk(q, qs, K, KS, s_l, offs_n, key_ok, zero,
         D: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr,
         RUNTIME_ZERO_ACC: tl.constexpr, HW_CVT: tl.constexpr):
     """Unscaled scores Q_c K_c^T [BLOCK_M, BLOCK_N] in fp32 for one key block."""
-    PAD: tl.constexpr = (KIND == 1) & (FMT == "e2m1") & (D < 64)
+    PAD: tl.constexpr = (KIND == KIND_MX) & (FMT == "e2m1") & (D < 64)
     DK: tl.constexpr = 64 if PAD else D
     W: tl.constexpr = DK // 2 if FMT == "e2m1" else DK
     w = tl.arange(0, W)
@@ -131,7 +127,7 @@ def _qk(q, qs, K, KS, s_l, offs_n, key_ok, zero,
         kt = tl.load(k_ptrs, mask=key_ok[None, :], other=0)
     else:
         kt = tl.load(k_ptrs)
-    if KIND == 1:
+    if KIND == KIND_MX:
         nb = tl.arange(0, DK // 32)
         ks_ptrs = KS + offs_n[:, None].to(tl.int64) * (D // 32) + nb[None, :]
         if PAD:
@@ -144,7 +140,7 @@ def _qk(q, qs, K, KS, s_l, offs_n, key_ok, zero,
             s = tl.dot_scaled(q, qs, FMT, kt, ks, FMT, acc=tl.zeros([q.shape[0], offs_n.shape[0]], tl.float32) + zero)
         else:
             s = tl.dot_scaled(q, qs, FMT, kt, ks, FMT)
-    elif KIND == 2:
+    elif KIND == KIND_FOLDED:
         if MASKED:
             ka = tl.load(KS + offs_n, mask=key_ok, other=0)
         else:
@@ -183,15 +179,15 @@ def _attend(
             keep = key_ok[None, :]
             if IS_CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            if MASK_KIND != 0:
+            if MASK_KIND != MASK_NONE:
                 m_ptrs = MASK + offs_m[:, None].to(tl.int64) * sm_q + offs_n[None, :].to(tl.int64) * sm_k
                 m_ok = row_ok[:, None] & key_ok[None, :]
-                if MASK_KIND == 1:
+                if MASK_KIND == MASK_BOOL:
                     keep = keep & (tl.load(m_ptrs, mask=m_ok, other=0) != 0)
                 else:
                     bias = to_f32(tl.load(m_ptrs, mask=m_ok, other=0.0), HW_CVT)
                     keep = keep & (bias != float("-inf"))
-                    s = s + bias * 1.4426950408889634
+                    s = s + bias * LOG2E
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with nothing attended so far keeps max -inf: subtract 0 there (p = 0).
@@ -254,7 +250,8 @@ def _dma_attention_sm100_kernel(
     row_ok = offs_m < Lq
 
     kv_start, kv_end, u_lo, u_hi = key_range(
-        m0, Lq, Lk, SUMM + b64 * ss_b + h64 * ss_h, ss_r, IS_CAUSAL, MASK_KIND != 0, CELL, BLOCK_M, BLOCK_N
+        m0, Lq, Lk, SUMM + b64 * ss_b + h64 * ss_h, ss_r, IS_CAUSAL, MASK_KIND != MASK_NONE, CELL,
+        BLOCK_M, BLOCK_N
     )
     sink_end, band_s, band_e = precision_band(m0, Lq, Lk, SINK_TILES, DIAG_TILES, TILE, IS_CAUSAL, ONE_CLASS)
 
@@ -265,8 +262,8 @@ def _dma_attention_sm100_kernel(
     mask_base = MASK + b64 * sm_b + h64 * sm_h
     keep_base = KEEP + b64 * skp_b + hk64 * skp_h
     # MX scales (D // 32 per token) and folded exponents (one per token) are contiguous.
-    LO_SW: tl.constexpr = D // 32 if LO_KIND == 1 else 1
-    HI_SW: tl.constexpr = D // 32 if HI_KIND == 1 else 1
+    LO_SW: tl.constexpr = D // 32 if LO_KIND == KIND_MX else 1
+    HI_SW: tl.constexpr = D // 32 if HI_KIND == KIND_MX else 1
     q_tokens = pid_bh.to(tl.int64) * Lq
     k_tokens = (b64 * Hk + hk64) * Lk
 
@@ -320,7 +317,7 @@ def _dma_attention_sm100_kernel(
 class _ClassOperands:
     """Q and K of one precision class as the kernel reads them.
 
-    q, k: values in the input dtype (KIND_NONE), or uint8 bytes of e4m3 values
+    q, k: values in the input dtype (KIND_16BIT), or uint8 bytes of e4m3 values
     (KIND_FOLDED) or of MX payloads (KIND_MX), last dimension contiguous;
     q_scales, k_scales: E8M0 scales (KIND_MX), int32 per-token exponents
     (KIND_FOLDED), unused otherwise.
@@ -349,7 +346,7 @@ def _class_operands(q, k, key_mean, policy: AttentionPolicy) -> dict[str, _Class
                                rotate=policy.rotate)
         for f in mx:
             # As bytes: a masked load from an fp8 pointer takes no fill value.
-            ops[f] = _ClassOperands(KIND_FOLDED, "e4m3", q_mx[f].values.view(torch.uint8), q_mx[f].exponents,
+            ops[f] = _ClassOperands(KIND_FOLDED.value, "e4m3", q_mx[f].values.view(torch.uint8), q_mx[f].exponents,
                                     k_mx[f].values.view(torch.uint8), k_mx[f].exponents)
         k_none = k_mx["none"].values if smoothed_none else None
     else:
@@ -357,13 +354,13 @@ def _class_operands(q, k, key_mean, policy: AttentionPolicy) -> dict[str, _Class
         k_mx = quantize_payloads(k, mx, policy.scale_rule, mean=key_mean, write_none=smoothed_none,
                                  rotate=policy.rotate)
         for f in mx:
-            ops[f] = _ClassOperands(KIND_MX, DOT_SCALED_FORMAT[f], q_mx[f].payload, q_mx[f].scales,
+            ops[f] = _ClassOperands(KIND_MX.value, DOT_SCALED_FORMAT[f], q_mx[f].payload, q_mx[f].scales,
                                     k_mx[f].payload, k_mx[f].scales)
         k_none = k_mx["none"] if smoothed_none else None
     if "none" in policy.formats:
         q_plain = _unit_last(q)
         k_plain = k_none if k_none is not None else _unit_last(k)
-        ops["none"] = _ClassOperands(KIND_NONE, "none", q_plain, q_plain, k_plain, k_plain)
+        ops["none"] = _ClassOperands(KIND_16BIT.value, "none", q_plain, q_plain, k_plain, k_plain)
     return ops
 
 
@@ -438,7 +435,7 @@ def _launch_arguments(q, k, v_op, v_strides, v_scales, out, mask, mask_strides, 
     args["KEEP"], args["KEY_LIMIT"] = keep, lk if key_limit is None else key_limit
     select_v = v_select_mode(has_keep, args["KEY_LIMIT"], lk, pv_fp8)
     args.update(
-        qk_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
+        qk_scale=scale * LOG2E.value, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
         # Clamped so that the tile products stay in int32; larger counts mean the same.
         SINK_TILES=min(policy.sink_tiles, n_k_tiles),
         DIAG_TILES=min(policy.diag_tiles, n_q_tiles + n_k_tiles + 1),
@@ -487,9 +484,9 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
         v_op, v_strides, v_scales = v, v.stride(), v
     out = torch.empty(b, hq, lq, dv, dtype=q.dtype, device=q.device)
     if info is None:
-        mask_kind, mask, mask_strides, summary, summary_strides = MASK_NONE, out, (0,) * 4, out, (0,) * 3
+        mask_kind, mask, mask_strides, summary, summary_strides = MASK_NONE.value, out, (0,) * 4, out, (0,) * 3
     else:
-        mask_kind = MASK_BOOL if info.is_bool else MASK_ADDITIVE
+        mask_kind = (MASK_BOOL if info.is_bool else MASK_ADDITIVE).value
         mask, mask_strides = info.values, info.values.stride()
         summary, summary_strides = info.summary, info.summary_strides
     args, constexprs = _launch_arguments(
@@ -515,13 +512,13 @@ def _placeholder_operands(b, hq, hk, length, d, dtype, policy: AttentionPolicy) 
     for f in policy.formats:
         if f == "none":
             q, k = meta(b, hq, length, d, dtype=dtype), meta(b, hk, length, d, dtype=dtype)
-            ops[f] = _ClassOperands(KIND_NONE, "none", q, q, k, k)
+            ops[f] = _ClassOperands(KIND_16BIT.value, "none", q, q, k, k)
         elif policy.mx_mode == "folded":
-            ops[f] = _ClassOperands(KIND_FOLDED, "e4m3", meta(b, hq, length, d), meta(b, hq, length, dtype=torch.int32),
+            ops[f] = _ClassOperands(KIND_FOLDED.value, "e4m3", meta(b, hq, length, d), meta(b, hq, length, dtype=torch.int32),
                                     meta(b, hk, length, d), meta(b, hk, length, dtype=torch.int32))
         else:
             width = d // 2 if f == "mxfp4_e2m1" else d
-            ops[f] = _ClassOperands(KIND_MX, DOT_SCALED_FORMAT[f], meta(b, hq, length, width),
+            ops[f] = _ClassOperands(KIND_MX.value, DOT_SCALED_FORMAT[f], meta(b, hq, length, width),
                                     meta(b, hq, length, d // 32), meta(b, hk, length, width),
                                     meta(b, hk, length, d // 32))
     return ops
@@ -556,7 +553,7 @@ def compile_sm100(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim:
     else:
         v_op = meta(b, hk, length, d)
         v_strides, v_scales = v_op.stride(), v_op
-    mask_kind = {None: MASK_NONE, "bool": MASK_BOOL, "additive": MASK_ADDITIVE}[mask]
+    mask_kind = {None: MASK_NONE, "bool": MASK_BOOL, "additive": MASK_ADDITIVE}[mask].value
     if mask_kind:
         m = meta(b, 1, length, length, dtype=torch.uint8 if mask == "bool" else torch_dtype)
         mask_strides = m.expand(b, hq, length, length).stride()

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported, launch
+from dma_compile.kernels.codes import KIND_16BIT, KIND_FOLDED, LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE
 from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key_arguments
 from dma_compile.kernels.numerics import (
@@ -67,11 +68,6 @@ from dma_compile.kernels.schedule import (
 )
 from dma_compile.policy import AttentionPolicy
 
-LOG2E = 1.4426950408889634
-
-KIND_16BIT = 0  # "none" and exact MX: bf16/fp16 tensor cores
-KIND_FP8 = 1  # folded MX: e4m3 tensor cores, per-row and per-column powers of two
-MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 
 
 @triton.jit
@@ -98,7 +94,7 @@ def _dot_acc(a, b, acc, HW_CVT: tl.constexpr):
 @triton.jit
 def _row_scales(QS, rows, row_ok, sm_scale, KIND: tl.constexpr, BLOCK_M: tl.constexpr):
     """Per-row factor of the scores: softmax scale * log2(e), times 2^A for folded Q."""
-    if KIND == 1:
+    if KIND == KIND_FOLDED:
         r = tl.load(QS + rows, mask=row_ok, other=0.0) * sm_scale
     else:
         r = tl.full([BLOCK_M], 1.0, tl.float32) * sm_scale
@@ -137,7 +133,7 @@ def _attend(
         key_ok = offs_n < Lk
         k = K.load([b, hk, start, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = _dot_nt(q, k, HW_CVT)
-        if KIND == 1:
+        if KIND == KIND_FOLDED:
             if MASKED:
                 ks = tl.load(KS + offs_n, mask=key_ok, other=0.0)
             else:
@@ -148,15 +144,15 @@ def _attend(
             valid = key_ok[None, :]
             if IS_CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            if MASK_KIND != 0:
+            if MASK_KIND != MASK_NONE:
                 mptr = MASK + offs_m[:, None].to(tl.int64) * sm_m + offs_n[None, :] * sm_n
                 mok = row_ok[:, None] & key_ok[None, :]
-                if MASK_KIND == 1:
+                if MASK_KIND == MASK_BOOL:
                     valid = valid & (tl.load(mptr, mask=mok, other=0) != 0)
                 else:
                     bias = to_f32(tl.load(mptr, mask=mok, other=0.0), HW_CVT)
                     valid = valid & (bias != float("-inf"))
-                    s = s + bias * 1.4426950408889634
+                    s = s + bias * LOG2E
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # Rows with every key so far masked keep m = -inf; subtract 0 there.
@@ -213,7 +209,8 @@ def _dma_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
 
     kv_start, kv_end, u_lo, u_hi = key_range(
-        m0, Lq, Lk, SUMM + b64 * ss_b + h.to(tl.int64) * ss_h, ss_r, IS_CAUSAL, MASK_KIND != 0, CELL, BLOCK_M, BLOCK_N
+        m0, Lq, Lk, SUMM + b64 * ss_b + h.to(tl.int64) * ss_h, ss_r, IS_CAUSAL, MASK_KIND != MASK_NONE, CELL,
+        BLOCK_M, BLOCK_N
     )
     sink_end, band_s, band_e = precision_band(m0, Lq, Lk, SINK_TILES, DIAG_TILES, TILE, IS_CAUSAL, ONE_CLASS)
 
@@ -358,7 +355,7 @@ _INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
 def _kind(fmt: str, policy: AttentionPolicy) -> int:
-    return KIND_FP8 if fmt != "none" and policy.mx_mode == "folded" else KIND_16BIT
+    return (KIND_FOLDED if fmt != "none" and policy.mx_mode == "folded" else KIND_16BIT).value
 
 
 def _check(q, v, scale, policy: AttentionPolicy) -> None:
@@ -367,7 +364,7 @@ def _check(q, v, scale, policy: AttentionPolicy) -> None:
             f"the sm90 kernel needs CUDA tensors, got {q.device.type} (TRITON_INTERPRET=1 runs it on CPU for testing)"
         )
     LIMITS["sm90"].check(q, v, scale)
-    uses_fp8 = policy.pv == "fp8" or any(_kind(f, policy) == KIND_FP8 for f in policy.formats)
+    uses_fp8 = policy.pv == "fp8" or any(_kind(f, policy) == KIND_FOLDED.value for f in policy.formats)
     if q.device.type == "cuda" and uses_fp8 and _capability(q.device) < (8, 9):
         raise Unsupported("fp8 tensor cores (folded MX or pv='fp8') need compute capability 8.9 or newer")
 
@@ -479,9 +476,9 @@ def _mask_arguments(attn_mask, b: int, hq: int, lq: int, lk: int, placeholder: t
     """(MASK_KIND, the kernel's nine mask arguments) for an explicit mask or
     None; info: the mask's classification, if already at hand."""
     if attn_mask is None:
-        return MASK_NONE, (placeholder, 0, 0, 0, 0, placeholder, 0, 0, 0)
+        return MASK_NONE.value, (placeholder, 0, 0, 0, 0, placeholder, 0, 0, 0)
     info = info if info is not None else classify_mask(attn_mask, b, hq, lq, lk)
-    return (MASK_BOOL if info.is_bool else MASK_ADD,
+    return ((MASK_BOOL if info.is_bool else MASK_ADDITIVE).value,
             (info.values, *info.values.stride(), info.summary, *info.summary_strides))
 
 
@@ -516,7 +513,7 @@ def _kernel_args(
     args.update(KEEP=keep, skp_b=skp_b, skp_h=skp_h, KEY_LIMIT=key_limit,
                 SELECT_V=v_select_mode(has_keep, key_limit, lk, pv_fp8))
     args.update(
-        sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk, SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
+        sm_scale=scale * LOG2E.value, Hq=hq, Hk=hk, Lq=lq, Lk=lk, SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         LQ_BUCKET=launch.next_power_of_2(lq), LK_BUCKET=launch.next_power_of_2(lk),
         HEAD_DIM=d, HEAD_DIM_V=dv, TILE=policy.tile,
         HI_KIND=_kind(policy.hi, policy), LO_KIND=_kind(policy.lo, policy), ONE_CLASS=policy.hi == policy.lo,
@@ -662,7 +659,7 @@ def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: 
     else:
         values = empty(b, 1, length, length, dtype=torch.uint8 if mask == "bool" else torch_dtype)
         summary = empty(b, 1, length // CELL, 4, dtype=torch.int32)
-        mask_kind = {"bool": MASK_BOOL, "additive": MASK_ADD}[mask]
+        mask_kind = {"bool": MASK_BOOL, "additive": MASK_ADDITIVE}[mask].value
         mask_args = (values, *values.expand(b, hq, length, length).stride(),
                      summary, summary.stride(0), 0, summary.stride(2))
     shape = (b, hq, hk, length, length, d, d)

@@ -35,13 +35,12 @@ import triton
 from dma_compile.kernels import Unsupported, sass
 from dma_compile.kernels.attention_sm90 import (
     COMPILE_SHAPE,
-    KIND_FP8,
-    LOG2E,
     _kind,
     descriptor_geometry,
     placeholder_inputs,
     quantize_inputs,
 )
+from dma_compile.kernels.codes import KIND_FOLDED, LOG2E
 from dma_compile.kernels.gluon_compat import (
     TensorDescriptor,
     gl,
@@ -202,7 +201,7 @@ def _produce_class(k_desc, ks_desc, v_desc, k_ring, ks_ring, v_ring, k_ready, k_
         start = _block_start(i, n0, r0s, r1s, BLOCK_N)
         s = (k0 + i) % STAGES
         mbarrier.wait(k_empty.index(s), (((k0 + i) // STAGES) & 1) ^ 1)
-        if KIND == 1:
+        if KIND == KIND_FOLDED:
             # Folded K's per-key powers of two travel with their block: the
             # consumers read them from shared memory, holding no prefetch registers.
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
@@ -286,7 +285,7 @@ def _key_scales(ks_ring, s, KIND: gl.constexpr, s_layout: gl.constexpr, BLOCK_N:
     """Folded K's per-key powers of two for the block in stage s (ones for
     16-bit formats). Read before the stage is released; keys past Lk read
     zeros or the next head's scales, which the mask in `_scores` discards."""
-    if KIND == 1:
+    if KIND == KIND_FOLDED:
         ks = ks_ring.index(s).load(gl.SliceLayout(0, s_layout))
     else:
         ks = gl.full([BLOCK_N], 1.0, gl.float32, gl.SliceLayout(0, s_layout))
@@ -301,7 +300,7 @@ def _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk,
     row max and the factor that rescales what came before."""
     offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     qs = gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout))
-    if KIND == 1:
+    if KIND == KIND_FOLDED:
         s_acc = s_acc * ks[None, :]
     needs_mask = start + BLOCK_N > Lk
     if IS_CAUSAL:
@@ -408,7 +407,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
 
 @gluon.jit
 def _row_scale(QS, row0, rows, Lq, sm_scale, KIND: gl.constexpr):
-    if KIND == 1:
+    if KIND == KIND_FOLDED:
         r = gl.load(QS + row0 + rows, mask=rows < Lq, other=0.0) * sm_scale
     else:
         r = gl.zeros_like(rows.to(gl.float32)) + sm_scale
@@ -608,7 +607,7 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
     hi_kind, lo_kind = _kind(policy.hi, policy), _kind(policy.lo, policy)
 
     def s_layout(kind):
-        return gl.NVMMADistributedLayout([3, 0], [4, 1], [16, block_n, 32 if kind == KIND_FP8 else 16])
+        return gl.NVMMADistributedLayout([3, 0], [4, 1], [16, block_n, 32 if kind == KIND_FOLDED.value else 16])
 
     def placeholder(x):
         return x if x is not None else out
@@ -624,7 +623,7 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         QS_LO=placeholder(qi.q_lo.scales), QS_HI=placeholder(qi.q_hi.scales), VSCALE=placeholder(qi.v_scales), O=out,
         q_lo_desc=q_lo, q_hi_desc=q_hi, k_lo_desc=k_lo, k_hi_desc=k_hi, v_desc=v_desc,
         ks_lo_desc=ks_lo, ks_hi_desc=ks_hi, KS_ROW=max(ks_row_lo, ks_row_hi),
-        sm_scale=scale * LOG2E, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
+        sm_scale=scale * LOG2E.value, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
         SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         N_TILES=n_m * b * hq, N_M=n_m, HEADS=b * hq, SECTION=tile_sections(hq, hk, lk, key_bytes, b * hq),
         HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,

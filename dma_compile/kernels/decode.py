@@ -24,12 +24,13 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
+from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_NONE, LOG2E, MX_FORMAT_CODES
 from dma_compile.kernels.numerics import HW_CVT, INTERPRET, pow2_wide, to_f32
 
-FMT_CODES = {"none": 0, "mxfp8_e4m3": 1, "mxfp4_e2m1": 3}
+# Cache format name -> element format code.
+CACHE_FORMAT_CODES = {"none": FMT_NONE.value, **{f: MX_FORMAT_CODES[f] for f in ("mxfp8_e4m3", "mxfp4_e2m1")}}
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_ROWS = 128
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -102,7 +103,7 @@ def _scores(
     token's block scales split into the token's largest, applied to the
     scores, and each block's 2^(scale - largest) <= 1 folded into its
     elements, which then fit fp16."""
-    if FMT == 3:
+    if FMT == FMT_E2M1:
         dh = tl.arange(0, D // 2)
         packed = tl.load(kp + pos[:, :, None] * stride_kt + dh[None, None, :], mask=ok[:, :, None], other=0)
         top = tl.max(sb, 2)
@@ -115,7 +116,7 @@ def _scores(
     else:
         d = tl.arange(0, D)
         raw = tl.load(kp + pos[:, :, None] * stride_kt + d[None, None, :], mask=ok[:, :, None], other=0)
-        if FMT == 1:
+        if FMT == FMT_E4M3:
             s = tl.dot(q16, tl.trans(_e4m3_values(raw, tl.float16, HW_CVT), (0, 2, 1)))
             s = s * q16_scale[None, :, None] * _scale_of(sb)[:, None, :]
         else:
@@ -138,7 +139,7 @@ def _pv(
     byte 0 scales by 2^-127, never the largest)."""
     d = tl.arange(0, D)
     raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
-    if FMT == 1:
+    if FMT == FMT_E4M3:
         scale = _scale_of(sb)
         top = tl.max(scale, 1)
         p = p * (scale / top[:, None])[:, None, :]
@@ -153,10 +154,10 @@ def _scale_bytes(ptr, pos, ok, stride, FMT: tl.constexpr, OTHER: tl.constexpr, D
     """The scale bytes of the tokens at `pos` (W, BLOCK_N) of a store of format
     FMT: one per token (e4m3), D / 32 (e2m1), none (a placeholder 0). A padded
     position reads OTHER."""
-    if FMT == 3:
+    if FMT == FMT_E2M1:
         db = tl.arange(0, D // 32)
         r = tl.load(ptr + pos[:, :, None] * stride + db[None, None, :], mask=ok[:, :, None], other=OTHER)
-    elif FMT == 1:
+    elif FMT == FMT_E4M3:
         r = tl.load(ptr + pos * stride, mask=ok, other=OTHER)
     else:
         r = tl.zeros_like(pos).to(tl.uint8)
@@ -271,7 +272,7 @@ def _decode_split_kernel(
     q16_scale = pow2_wide(q_exp) * sm_scale
     q_down = pow2_wide(-q_exp)[:, None]
     q16 = _operand(q_f32 * q_down, tl.float16, HW_CVT)
-    if K_FMT == 3:
+    if K_FMT == FMT_E2M1:
         # A packed e2m1 byte holds elements 2i (low nibble) and 2i + 1. Loaded
         # again rather than split from q16: the split's layout costs the hot loop.
         dh = tl.arange(0, D // 2)
@@ -449,7 +450,7 @@ def decode_attention(
     vs = v_scales if v_scales is not None else placeholder
     hk = hi_k if has_hi else placeholder
     hv = hi_v if has_hi else placeholder
-    sm_scale = (1.0 / math.sqrt(d) if scale is None else scale) * LOG2E
+    sm_scale = (1.0 / math.sqrt(d) if scale is None else scale) * LOG2E.value
     _decode_split_kernel[(b * hkv, n_chunks)](
         q, k_payload, ks, v_payload, vs, hk, hv, lengths, o_part, lse_part,
         q.stride(0), q.stride(1), q.stride(2),
@@ -457,7 +458,7 @@ def decode_attention(
         *v_payload.stride()[:3], *vs.stride()[:3],
         *hk.stride()[:3],
         sm_scale, t, group, hkv, chunk, sink, recent,
-        K_FMT=FMT_CODES[k_fmt], V_FMT=FMT_CODES[v_fmt], HAS_HI=has_hi,
+        K_FMT=CACHE_FORMAT_CODES[k_fmt], V_FMT=CACHE_FORMAT_CODES[v_fmt], HAS_HI=has_hi,
         D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
         HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -504,7 +505,7 @@ def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 
         "LENGTHS": torch.empty(b, dtype=torch.int32), "O_PART": part, "LSE_PART": part,
         **dict(zip(names, strides)),
         "sm_scale": 0.1, "T": query_len, "G": group, "HKV": hkv, "CHUNK": config.chunk, "SINK": 32, "RECENT": 32,
-        "K_FMT": FMT_CODES[k_fmt], "V_FMT": FMT_CODES[v_fmt], "HAS_HI": True,
+        "K_FMT": CACHE_FORMAT_CODES[k_fmt], "V_FMT": CACHE_FORMAT_CODES[v_fmt], "HAS_HI": True,
         "D": head_dim, "BLOCK_M": block_m, "W": config.num_warps, "BLOCK_N": config.block_n,
         "STAGES": config.num_stages, "HW_CVT": True,
     }

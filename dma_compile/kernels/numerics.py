@@ -17,14 +17,13 @@ import re
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.codes import FMT_E4M3, FMT_E5M2
+
 # Read when this module is imported, like triton.jit reads it when decorating.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HW_CVT = not INTERPRET
 # (major, minor) of the running Triton, for the kernels' version rules.
 TRITON_VERSION = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:2])
-
-FMT_CODES = {"mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
-
 
 @triton.jit
 def pow2(e):
@@ -62,10 +61,10 @@ def round_grid(a, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAX_NORMAL: tl.con
 
 @triton.jit
 def round_element(x, FMT: tl.constexpr):
-    """x on the element grid of FMT (1 e4m3, 2 e5m2, 3 e2m1), float32; not for NaN."""
-    if FMT == 1:
+    """x on the element grid of FMT (`codes`: e4m3, e5m2 or e2m1), float32; not for NaN."""
+    if FMT == FMT_E4M3:
         r = with_sign_of(round_grid(tl.abs(x), 3, -6, 448.0), x)
-    elif FMT == 2:
+    elif FMT == FMT_E5M2:
         r = with_sign_of(round_grid(tl.abs(x), 2, -14, 57344.0), x)
     else:
         r = with_sign_of(round_grid(tl.abs(x), 1, 0, 6.0), x)
@@ -107,9 +106,9 @@ def on_element_grid(x, FMT: tl.constexpr, HW_CVT: tl.constexpr):
     becomes it, as in `formats`) whatever the instruction does past it; the
     widening back to float32 is exact. NaN gives an unspecified value.
     """
-    if HW_CVT and FMT == 1:
+    if HW_CVT and FMT == FMT_E4M3:
         r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
-    elif HW_CVT and FMT == 2:
+    elif HW_CVT and FMT == FMT_E5M2:
         r = tl.minimum(tl.maximum(x, -57344.0), 57344.0).to(tl.float8e5).to(tl.float32)
     else:
         r = round_element(x, FMT)
@@ -185,11 +184,11 @@ def log2_parts(a):
 
 @triton.jit
 def mx_limits(FMT: tl.constexpr):
-    """(emax, max_frac) of element format FMT (1 E4M3, 2 E5M2, 3 E2M1): its
+    """(emax, max_frac) of element format FMT (`codes`: e4m3, e5m2 or e2m1): its
     largest normal is 1.max_frac * 2^emax, max_frac as float32 mantissa bits."""
-    if FMT == 1:
+    if FMT == FMT_E4M3:
         return 8, 0x600000
-    elif FMT == 2:
+    elif FMT == FMT_E5M2:
         return 15, 0x600000
     else:
         return 2, 0x400000

@@ -60,10 +60,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.codes import FMT_NONE, MX_FORMAT_CODES
 from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
 from dma_compile.kernels.launch import cdiv, launch, zeros
 from dma_compile.kernels.numerics import (
-    FMT_CODES,
     HW_CVT,
     block_amax,
     e4m3_code,
@@ -141,11 +141,11 @@ def _quantize_token_block(
         # 64 tokens or more (`_token_block`) fill the 4 warps' 16 token rows
         # each, so each thread holds half of every block of its token.
         x = rotate_rows(x, tl.load(SIGNS + (d + t * 0)), D, INV_SQRT_D, BLOCK_T >= 64)
-    if FMT1 != 0:
+    if FMT1 != FMT_NONE:
         amax, bad = block_amax(x)
         _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, SCALES1, out_offs, row_offs,
                      FMT1, FOLDED, RCEIL, POW2, HW_CVT)
-        if FMT2 != 0:
+        if FMT2 != FMT_NONE:
             _quantize_mx(x, amax, bad, ok, row_ok, OUT2, EXPS2, SCALES2, out_offs, row_offs,
                          FMT2, FOLDED, RCEIL, POW2, HW_CVT)
 
@@ -430,8 +430,8 @@ def plan_tokens(
         raise ValueError(f"x: head_dim must be a power of two and a multiple of 32, got {d}")
     signs, rotating, inv_sqrt_d = rotation_arguments(x, rotate)
     mx = [f for f in formats if f != "none"]
-    if len(mx) > 2 or any(f not in FMT_CODES for f in mx):
-        raise ValueError(f"formats: at most two of {list(FMT_CODES)}, got {formats}")
+    if len(mx) > 2 or any(f not in MX_FORMAT_CODES for f in mx):
+        raise ValueError(f"formats: at most two of {list(MX_FORMAT_CODES)}, got {formats}")
     folded = mx_mode == "folded"
     pow2 = folded and pow2_scales
     operands: dict[str, Operand] = {}
@@ -464,7 +464,8 @@ def plan_tokens(
         MEAN=mean.contiguous() if smooth else x, NONE_OUT=none_out if write_none else x,
         OUT1=outs[0][0], EXPS1=outs[0][1], SCALES1=outs[0][2], OUT2=outs[1][0], EXPS2=outs[1][1], SCALES2=outs[1][2],
         H=h, L=length, D=d, BLOCK_T=block_t, SMOOTH=smooth, WRITE_NONE=write_none,
-        FMT1=FMT_CODES[mx[0]] if mx else 0, FMT2=FMT_CODES[mx[1]] if len(mx) > 1 else 0,
+        FMT1=MX_FORMAT_CODES[mx[0]] if mx else FMT_NONE.value,
+        FMT2=MX_FORMAT_CODES[mx[1]] if len(mx) > 1 else FMT_NONE.value,
         FOLDED=folded, RCEIL=scale_rule == "rceil", POW2=pow2, HW_CVT=HW_CVT,
         SIGNS=signs, ROTATE=rotating and bool(mx), INV_SQRT_D=inv_sqrt_d,
     )

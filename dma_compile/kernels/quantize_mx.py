@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_NONE, MX_FORMAT_CODES
 from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
 from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.numerics import (
-    FMT_CODES,
     HW_CVT,
     e4m3_bits,
     pow2,
@@ -42,7 +42,7 @@ from dma_compile.kernels.numerics import (
 )
 
 # Payload elements per byte for each format code (e2m1 packs two).
-PACKING = {1: 1, 2: 1, 3: 2}
+PACKING = {FMT_E4M3.value: 1, FMT_E5M2.value: 1, FMT_E2M1.value: 2}
 
 
 @triton.jit
@@ -85,14 +85,14 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
     blocks = tl.arange(0, NB)
     tl.store(SCALES + rows[:, None] * NB + blocks[None, :], tl.where(bad, 255, s + 127).to(tl.uint8),
              mask=t_ok[:, None])
-    if FMT == 3:
+    if FMT == FMT_E2M1:
         codes = tl.reshape(_e2m1_codes(elem), [BLOCK_T, D // 2, 2])
         even, odd = tl.split(codes)
         cols = tl.arange(0, D // 2)
         tl.store(PAYLOAD + rows[:, None] * (D // 2) + cols[None, :], (even | (odd << 4)).to(tl.uint8),
                  mask=t_ok[:, None])
     else:
-        if FMT == 1:
+        if FMT == FMT_E4M3:
             bits = e4m3_bits(elem)
         else:
             bits = _e5m2_bits(elem)
@@ -128,9 +128,9 @@ def _mx_payload_kernel(
         tl.store(dst, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
     if ROTATE:
         x = rotate_rows(x, tl.load(SIGNS + (d + t[:, None, None] * 0)), D, INV_SQRT_D)
-    if FMT1 != 0:
+    if FMT1 != FMT_NONE:
         _store_mx(x, PAYLOAD1, SCALES1, pid_bh, t, t_ok, L, D, FMT1, RCEIL)
-    if FMT2 != 0:
+    if FMT2 != FMT_NONE:
         _store_mx(x, PAYLOAD2, SCALES2, pid_bh, t, t_ok, L, D, FMT2, RCEIL)
 
 
@@ -166,15 +166,15 @@ def quantize_payloads(
     if d % 32 != 0 or d & (d - 1):
         raise ValueError(f"x: head_dim must be a power of two and a multiple of 32, got {d}")
     mx = [f for f in formats if f != "none"]
-    if len(mx) > 2 or any(f not in FMT_CODES for f in mx):
-        raise ValueError(f"formats: at most two of {list(FMT_CODES)} (plus 'none'), got {formats}")
+    if len(mx) > 2 or any(f not in MX_FORMAT_CODES for f in mx):
+        raise ValueError(f"formats: at most two of {list(MX_FORMAT_CODES)} (plus 'none'), got {formats}")
     if not mx and not write_none:
         return {}
     signs, rotating, inv_sqrt_d = rotation_arguments(x, rotate)
     result: dict[str, MXPayload | torch.Tensor] = {}
     outs = []
     for fmt in mx:
-        code = FMT_CODES[fmt]
+        code = MX_FORMAT_CODES[fmt]
         op = MXPayload(
             fmt,
             torch.empty(b, h, length, d // PACKING[code], dtype=torch.uint8, device=x.device),
@@ -194,7 +194,8 @@ def quantize_payloads(
         outs[0][0], outs[0][1], outs[1][0], outs[1][1], signs,
         h, length,
         D=d, BLOCK_T=block_t, SMOOTH=mean is not None, WRITE_NONE=write_none,
-        FMT1=FMT_CODES[mx[0]] if mx else 0, FMT2=FMT_CODES[mx[1]] if len(mx) > 1 else 0,
+        FMT1=MX_FORMAT_CODES[mx[0]] if mx else FMT_NONE.value,
+        FMT2=MX_FORMAT_CODES[mx[1]] if len(mx) > 1 else FMT_NONE.value,
         RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT, ROTATE=rotating and bool(mx), INV_SQRT_D=inv_sqrt_d,
         num_warps=4,
     )
