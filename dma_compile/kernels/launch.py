@@ -8,10 +8,13 @@ made through `launch`; when every tensor they read or write is one of the
 call's inputs, its output, or a buffer the call allocated and filled by those
 same launches, `Recording.replay` turns them into a `Replay`: one workspace
 allocation for all the buffers (zeroed where the call allocated them with
-`zeros`), and each launch straight through the kernel
-Triton compiled for the first call (`CompiledKernel[grid](*args)`, whose
-specialisation the caller's signature key fixes), with pointers as integers.
-Under Triton's interpreter nothing is compiled, so nothing is replayed.
+`zeros`), and each launch straight through the launcher of the kernel
+Triton compiled for the first call (whose specialisation the caller's
+signature key fixes), with pointers as integers: no argument binding, and
+none of the per-launch device lookup and hook metadata of
+`CompiledKernel[grid](*args)`, whose path a replay takes while a launch hook
+(a profiler's) is set. Under Triton's interpreter nothing is compiled, so
+nothing is replayed.
 """
 
 from __future__ import annotations
