@@ -23,7 +23,7 @@ import torch
 from tabulate import tabulate
 
 from dma_compile.assets import find_assets
-from dma_compile.calibrate import load_model, split_heldout, take_windows, tokenize
+from dma_compile.loading import load_model, split_heldout, take_windows, tokenize
 from dma_compile.compare import perplexity
 from dma_compile.hf import running_policy
 from dma_compile.policy import AttentionPolicy, ModelPolicy
