@@ -9,12 +9,13 @@ from pathlib import Path
 from dma_compile.kernels import codes
 
 KERNELS = Path(codes.__file__).parent
-LITERAL_CODE = re.compile(r"\b(?:\w*KIND|\w*FMT\d?)\s*[!=]=\s*\d")
-OWN_DEFINITION = re.compile(r"^(?:LOG2E|KIND_\w+|MASK_(?:NONE|BOOL|ADD\w*)|FMT_\w+|\w*FMT_CODES)\s*=", re.M)
+LITERAL_CODE = re.compile(r"\b(?:\w*KIND|\w*FMT\d?|SELECT_V)\s*[!=]=\s*\d")
+OWN_DEFINITION = re.compile(
+    r"^(?:LOG2E|KIND_\w+|MASK_(?:NONE|BOOL|ADD\w*)|FMT_\w+|SELECT_V_\w+|\w*FMT_CODES)\s*=", re.M)
 
 
 def test_each_family_of_codes_is_distinct():
-    for prefix in ("KIND_", "MASK_", "FMT_"):
+    for prefix in ("KIND_", "MASK_", "FMT_", "SELECT_V_"):
         values = [v.value for name, v in vars(codes).items() if name.startswith(prefix)]
         assert len(values) >= 3 and len(set(values)) == len(values), prefix
     assert codes.MX_FORMAT_CODES["mxfp4_e2m1"] == codes.FMT_E2M1.value

@@ -32,7 +32,17 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
-from dma_compile.kernels.codes import KIND_16BIT, KIND_FOLDED, KIND_MX, LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE
+from dma_compile.kernels.codes import (
+    KIND_16BIT,
+    KIND_FOLDED,
+    KIND_MX,
+    LOG2E,
+    MASK_ADDITIVE,
+    MASK_BOOL,
+    MASK_NONE,
+    SELECT_V_KEEP,
+    SELECT_V_NONE,
+)
 from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
@@ -202,8 +212,8 @@ def _attend(
         v_ptrs = V + offs_n[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d
         if MASKED:
             v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
-            if SELECT_V:
-                v = tl.where(counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, SELECT_V == 2)[:, None], v, 0.0)
+            if SELECT_V != SELECT_V_NONE:
+                v = tl.where(counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, SELECT_V == SELECT_V_KEEP)[:, None], v, 0.0)
         else:
             v = tl.load(v_ptrs)
         if PV_FP8 and HW_CVT:

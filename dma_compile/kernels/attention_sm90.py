@@ -36,7 +36,16 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported, launch
-from dma_compile.kernels.codes import KIND_16BIT, KIND_FOLDED, LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE
+from dma_compile.kernels.codes import (
+    KIND_16BIT,
+    KIND_FOLDED,
+    LOG2E,
+    MASK_ADDITIVE,
+    MASK_BOOL,
+    MASK_NONE,
+    SELECT_V_KEEP,
+    SELECT_V_NONE,
+)
 from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key_arguments
 from dma_compile.kernels.numerics import (
@@ -170,8 +179,8 @@ def _attend(
             acc = _dot_acc(to_e4m3(p, HW_CVT), tl.trans(vt), acc, HW_CVT)
         else:
             v = V.load([b, hk, start, 0]).reshape(BLOCK_N, HEAD_DIM_V)
-            if SELECT_V and MASKED:
-                v = tl.where(counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, SELECT_V == 2)[:, None], v, 0.0)
+            if SELECT_V != SELECT_V_NONE and MASKED:
+                v = tl.where(counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, SELECT_V == SELECT_V_KEEP)[:, None], v, 0.0)
             acc = _dot_acc(to_dtype(p, V.dtype, HW_CVT), v, acc, HW_CVT)
         m_i = m_new
     return acc, l_i, m_i

@@ -37,3 +37,10 @@ FMT_E5M2 = tl.constexpr(2)
 FMT_E2M1 = tl.constexpr(3)
 # The MX formats of a policy by name, and their element format codes.
 MX_FORMAT_CODES = {"mxfp8_e4m3": FMT_E4M3.value, "mxfp8_e5m2": FMT_E5M2.value, "mxfp4_e2m1": FMT_E2M1.value}
+
+# Which keys' V an attention kernel zeroes in its masking loops (constexpr
+# SELECT_V, `schedule.v_select_mode`): none (V as stored), the keys from the
+# call's key limit on, or also those its key-keep vector marks 0.
+SELECT_V_NONE = tl.constexpr(0)
+SELECT_V_LIMIT = tl.constexpr(1)
+SELECT_V_KEEP = tl.constexpr(2)

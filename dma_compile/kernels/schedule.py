@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile.kernels.codes import SELECT_V_KEEP, SELECT_V_LIMIT, SELECT_V_NONE
+
 
 @triton.jit
 def intersect(a0, a1, b0, b1):
@@ -99,13 +101,13 @@ def counted_v(KEEP, offs_n, key_ok, KEY_LIMIT, HAS_KEEP: tl.constexpr):
 
 
 def v_select_mode(has_keep: bool, key_limit: int, lk: int, pv_fp8: bool) -> int:
-    """SELECT_V of the attention kernels (`counted_v`): 0 to use V as stored
-    (FP8 V^T has the keys that do not count zeroed already, and without a
-    keep vector or limit every key counts), 1 to zero the V of keys from
-    key_limit on, 2 also that of keys the keep vector marks 0."""
+    """SELECT_V of the attention kernels (`counted_v`, codes.SELECT_V_*): V as
+    stored (FP8 V^T has the keys that do not count zeroed already, and without
+    a keep vector or limit every key counts), zeros for the V of keys from
+    key_limit on, or also for those the keep vector marks 0."""
     if pv_fp8 or not (has_keep or key_limit < lk):
-        return 0
-    return 2 if has_keep else 1
+        return SELECT_V_NONE.value
+    return (SELECT_V_KEEP if has_keep else SELECT_V_LIMIT).value
 
 
 def collapse_expanded_heads(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
