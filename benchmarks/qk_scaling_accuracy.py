@@ -58,12 +58,13 @@ def least_squares(scale_exponents):
             return exp
         element = formats.check_format(fmt)
         blocks = formats._block_view(x).float()
+        lower = torch.clamp(exp - 1, min=-formats.E8M0_BIAS)
         errors = []
-        for e in (exp, torch.clamp(exp - 1, -formats.E8M0_BIAS, formats.E8M0_BIAS)):
+        for e in (exp, lower):
             shift = e.unsqueeze(-1).float()
             values = torch.ldexp(formats.round_to_element(torch.ldexp(blocks, -shift), element), shift)
             errors.append(torch.nan_to_num((values - blocks).square().sum(-1), nan=0.0))
-        return torch.where(errors[1] < errors[0], torch.clamp(exp - 1, -formats.E8M0_BIAS), exp)
+        return torch.where(errors[1] < errors[0], lower, exp)
 
     return exponents
 

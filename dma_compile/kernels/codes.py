@@ -38,6 +38,17 @@ FMT_E2M1 = tl.constexpr(3)
 # The MX formats of a policy by name, and their element format codes.
 MX_FORMAT_CODES = {"mxfp8_e4m3": FMT_E4M3.value, "mxfp8_e5m2": FMT_E5M2.value, "mxfp4_e2m1": FMT_E2M1.value}
 
+
+def mx_format_slots(formats) -> tuple[list[str], dict[str, int]]:
+    """The MX formats among `formats` ("none" dropped), and the FMT1 / FMT2
+    codes of a quantization pass that writes them in one go (FMT_NONE for a
+    free slot). Raises ValueError for more than two or an unknown one."""
+    mx = [f for f in formats if f != "none"]
+    if len(mx) > 2 or any(f not in MX_FORMAT_CODES for f in mx):
+        raise ValueError(f"formats: at most two of {list(MX_FORMAT_CODES)} (plus 'none'), got {formats}")
+    codes = [MX_FORMAT_CODES[f] for f in mx] + [FMT_NONE.value] * (2 - len(mx))
+    return mx, {"FMT1": codes[0], "FMT2": codes[1]}
+
 # Which keys' V an attention kernel zeroes in its masking loops (constexpr
 # SELECT_V, `schedule.v_select_mode`): none (V as stored), the keys from the
 # call's key limit on, or also those its key-keep vector marks 0.

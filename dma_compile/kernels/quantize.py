@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dma_compile.kernels.codes import FMT_NONE, MX_FORMAT_CODES
+from dma_compile.kernels.codes import FMT_NONE, mx_format_slots
 from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
 from dma_compile.kernels.launch import cdiv, launch, zeros
 from dma_compile.kernels.numerics import (
@@ -429,9 +429,7 @@ def plan_tokens(
     if d % 32 != 0 or d & (d - 1):
         raise ValueError(f"x: head_dim must be a power of two and a multiple of 32, got {d}")
     signs, rotating, inv_sqrt_d = rotation_arguments(x, rotate)
-    mx = [f for f in formats if f != "none"]
-    if len(mx) > 2 or any(f not in MX_FORMAT_CODES for f in mx):
-        raise ValueError(f"formats: at most two of {list(MX_FORMAT_CODES)}, got {formats}")
+    mx, format_codes = mx_format_slots(formats)
     folded = mx_mode == "folded"
     pow2 = folded and pow2_scales
     operands: dict[str, Operand] = {}
@@ -464,8 +462,7 @@ def plan_tokens(
         MEAN=mean.contiguous() if smooth else x, NONE_OUT=none_out if write_none else x,
         OUT1=outs[0][0], EXPS1=outs[0][1], SCALES1=outs[0][2], OUT2=outs[1][0], EXPS2=outs[1][1], SCALES2=outs[1][2],
         H=h, L=length, D=d, BLOCK_T=block_t, SMOOTH=smooth, WRITE_NONE=write_none,
-        FMT1=MX_FORMAT_CODES[mx[0]] if mx else FMT_NONE.value,
-        FMT2=MX_FORMAT_CODES[mx[1]] if len(mx) > 1 else FMT_NONE.value,
+        **format_codes,
         FOLDED=folded, RCEIL=scale_rule == "rceil", POW2=pow2, HW_CVT=HW_CVT,
         SIGNS=signs, ROTATE=rotating and bool(mx), INV_SQRT_D=inv_sqrt_d,
     )

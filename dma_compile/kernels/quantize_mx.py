@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_NONE, MX_FORMAT_CODES
+from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_NONE, MX_FORMAT_CODES, mx_format_slots
 from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
 from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.numerics import (
@@ -165,9 +165,7 @@ def quantize_payloads(
     b, h, length, d = x.shape
     if d % 32 != 0 or d & (d - 1):
         raise ValueError(f"x: head_dim must be a power of two and a multiple of 32, got {d}")
-    mx = [f for f in formats if f != "none"]
-    if len(mx) > 2 or any(f not in MX_FORMAT_CODES for f in mx):
-        raise ValueError(f"formats: at most two of {list(MX_FORMAT_CODES)} (plus 'none'), got {formats}")
+    mx, format_codes = mx_format_slots(formats)
     if not mx and not write_none:
         return {}
     signs, rotating, inv_sqrt_d = rotation_arguments(x, rotate)
@@ -194,8 +192,7 @@ def quantize_payloads(
         outs[0][0], outs[0][1], outs[1][0], outs[1][1], signs,
         h, length,
         D=d, BLOCK_T=block_t, SMOOTH=mean is not None, WRITE_NONE=write_none,
-        FMT1=MX_FORMAT_CODES[mx[0]] if mx else FMT_NONE.value,
-        FMT2=MX_FORMAT_CODES[mx[1]] if len(mx) > 1 else FMT_NONE.value,
+        **format_codes,
         RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT, ROTATE=rotating and bool(mx), INV_SQRT_D=inv_sqrt_d,
         num_warps=4,
     )
