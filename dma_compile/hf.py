@@ -23,8 +23,9 @@ attn_implementation="dma". Each layer's cache stores tokens as its policy's
 `cache_k` / `cache_v` say (default: the FP8 cache, `mxfp8_e4m3` for both);
 the prefill runs the DMA prefill op on the prompt's own K/V, and every later
 step reads the quantized storage through `torch.ops.dma.decode_attention`
-(steps that carry a mask, those of a padded batch or a chunked prefill, read
-the dequantized cache through SDPA instead, logged once). Eager only so far.
+(a padded batch's mask travels as a key-keep vector; steps with any other
+mask read the dequantized cache through SDPA instead, logged once). Eager
+only so far.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from dma_compile.kv_cache import QuantizedKV
 from dma_compile.ops import MAX_HEAD_DIM, check_impl, check_inputs
 from dma_compile.policy import AttentionPolicy, ModelPolicy, as_model_policy, default_policy
+from dma_compile.reference import decode_keep
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +185,39 @@ def running_policy(model, policy: ModelPolicy | None):
         model.set_attn_implementation(previous)
 
 
+class KeyPaddingMasks:
+    """Turns a decode step's mask into the decode op's key-keep vector, once
+    per step: every layer of a model receives the same mask tensor, so the
+    check (one host sync) runs for the first layer only."""
+
+    def __init__(self):
+        self._last: tuple | None = None
+
+    def key_keep(self, attention_mask: torch.Tensor, lengths: torch.Tensor, t: int) -> torch.Tensor | None:
+        """Bool (B, L): the keys the mask's last query row keeps, if the mask
+        (B, 1, T, L), boolean or additive, is exactly causal over `lengths`
+        with that key padding; None for any other mask."""
+        if self._last is not None and self._last[0] is attention_mask:
+            return self._last[1]
+        keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask != float("-inf")
+        key_keep = None
+        if keep.dim() == 4 and keep.shape[1] == 1 and keep.shape[2] == t and keep.shape[0] == lengths.shape[0]:
+            candidate = keep[:, 0, -1, :]
+            if torch.equal(keep[:, 0], decode_keep(lengths, t, keep.shape[-1], candidate)):
+                key_keep = candidate.contiguous()
+        self._last = (attention_mask, key_keep)
+        return key_keep
+
+
 class DMACacheLayer(CacheLayerMixin):
     """One layer of a DMACache: a growing `QuantizedKV` in `policy`'s cache formats."""
 
     is_sliding = False
 
-    def __init__(self, policy: AttentionPolicy):
+    def __init__(self, policy: AttentionPolicy, masks: KeyPaddingMasks | None = None):
         super().__init__()
         self.policy = policy
+        self.masks = masks if masks is not None else KeyPaddingMasks()
         self.store: QuantizedKV | None = None
         self.past_length = 0
 
@@ -219,13 +246,20 @@ class DMACacheLayer(CacheLayerMixin):
         return key_states, value_states
 
     def decode(self, module, query, attention_mask, scaling, impl, kwargs) -> torch.Tensor:
-        """Attention output (B, T, Hq, D) of the newest tokens over this layer's cache."""
-        if attention_mask is None:
-            decode_impl = impl if impl in ("auto", "reference") else "triton"
-            return self.store.attend(query, scaling, decode_impl).transpose(1, 2).contiguous()
-        _log_fallback_once("a step with an attention mask (padded batch, chunked prefill) reads the dequantized cache")
-        k, v = (x.to(query.dtype) for x in self.store.values())
-        return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)[0]
+        """Attention output (B, T, Hq, D) of the newest tokens over this layer's cache.
+
+        A mask that is causal with key padding (a padded batch's) travels to
+        the decode op as a key-keep vector; any other mask reads the
+        dequantized cache through SDPA, logged once."""
+        key_keep = None
+        if attention_mask is not None:
+            key_keep = self.masks.key_keep(attention_mask, self.store.lengths, query.shape[2])
+            if key_keep is None:
+                _log_fallback_once("a step whose mask is not causal with key padding reads the dequantized cache")
+                k, v = (x.to(query.dtype) for x in self.store.values())
+                return sdpa_attention_forward(module, query, k, v, attention_mask, scaling=scaling, **kwargs)[0]
+        decode_impl = impl if impl in ("auto", "reference") else "triton"
+        return self.store.attend(query, scaling, decode_impl, key_keep).transpose(1, 2).contiguous()
 
     def get_seq_length(self) -> int:
         return 0 if self.store is None else self.store.max_length
@@ -266,4 +300,5 @@ class DMACache(Cache):
             fp8 = default_policy(device).replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
             model_policy = ModelPolicy(default=fp8)
         layers = checked_layers(model_policy, config)
-        super().__init__(layers=[DMACacheLayer(model_policy.for_layer(i)) for i in range(layers)])
+        masks = KeyPaddingMasks()
+        super().__init__(layers=[DMACacheLayer(model_policy.for_layer(i), masks) for i in range(layers)])

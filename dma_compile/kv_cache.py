@@ -171,17 +171,20 @@ class QuantizedKV:
         v = cache_formats.stored_values(self.v_payload, self.v_scales, self.hi_v, *common, self.policy.cache_v)
         return unrotate(k, self.rotate), v
 
-    def attend(self, q: torch.Tensor, scale: float | None = None, impl: str = "auto") -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, scale: float | None = None, impl: str = "auto", key_keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attention of q (batch, heads, T, head_dim), the T tokens appended last,
         over the cache, through `torch.ops.dma.decode_attention` (q rotated
-        first when the cache rotates)."""
+        first when the cache rotates); key_keep (batch, >= max_length) bool
+        leaves out the positions it marks False (`ops_decode.decode_attention`)."""
         if isinstance(q, torch.Tensor) and q.dim() == 4 and self.max_length < q.shape[2]:
             raise ValueError(f"q: {q.shape[2]} query tokens but the cache holds at most {self.max_length}")
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1] == self.head_dim:
             q = rotate_tokens(q, self.rotate, impl)
         return decode_attention(
             q, self.k_payload, self.k_scales, self.v_payload, self.v_scales, self.hi_k, self.hi_v,
-            self.lengths, self.max_length, self.sink, self.recent, self.policy, scale, impl,
+            self.lengths, self.max_length, self.sink, self.recent, self.policy, scale, impl, key_keep,
         )
 
     def reset(self) -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from dma_compile.cache_formats import encode, stored_values
 from dma_compile.formats import E8M0_BIAS, E8M0_NAN
 from dma_compile.policy import AttentionPolicy
-from dma_compile.reference import decode_attention_math
+from dma_compile.reference import decode_attention_math, decode_keep
 from dma_compile.rotation import ROTATIONS, check_head_dim, rotate
 
 logger = logging.getLogger(__name__)
@@ -44,18 +44,17 @@ def _warn_fallback_once(reason: str) -> None:
     logger.warning("dma decode: the kernel cannot serve this call, running SDPA on the dequantized cache: %s", reason)
 
 
-def _dequantized_attention(q, kp, ks, vp, vs, hk, hv, lengths, max_length, sink, recent, pol, scale, exact):
+def _dequantized_attention(q, kp, ks, vp, vs, hk, hv, lengths, key_keep, max_length, sink, recent, pol, scale, exact):
     common = (lengths, max_length, sink, recent)
     k = stored_values(kp, ks, hk, *common, pol.cache_k)
     v = stored_values(vp, vs, hv, *common, pol.cache_v)
     if exact:
-        return decode_attention_math(q, k, v, lengths, scale).to(q.dtype)
-    t = q.shape[2]
-    last = lengths[:, None].long() - t + torch.arange(t, device=q.device)[None, :]
-    keep = torch.arange(max_length, device=q.device)[None, None, :] <= last[:, :, None]
-    return F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=keep[:, None], scale=scale, enable_gqa=True
+        return decode_attention_math(q, k, v, lengths, scale, key_keep).to(q.dtype)
+    keep = decode_keep(lengths, q.shape[2], max_length, key_keep)[:, None]
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=keep, scale=scale, enable_gqa=True
     )
+    return torch.where(keep.any(dim=-1, keepdim=True), out, 0.0) if key_keep is not None else out
 
 
 @torch.library.custom_op("dma::decode_attention", mutates_args=())
@@ -68,6 +67,7 @@ def decode_attention_op(
     hi_k: Optional[torch.Tensor],
     hi_v: Optional[torch.Tensor],
     lengths: torch.Tensor,
+    key_keep: Optional[torch.Tensor],
     max_length: int,
     sink: int,
     recent: int,
@@ -77,7 +77,7 @@ def decode_attention_op(
 ) -> torch.Tensor:
     """Decode attention over cache tensors; see `decode_attention`."""
     pol = _parse_policy(policy)
-    args = (q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, max_length, sink, recent)
+    args = (q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, key_keep, max_length, sink, recent)
     if impl == "auto":
         impl = "triton" if q.device.type == "cuda" else "reference"
     if impl == "reference":
@@ -86,7 +86,8 @@ def decode_attention_op(
     from dma_compile.kernels.decode import decode_attention as kernel
 
     try:
-        return kernel(*args, pol.cache_k, pol.cache_v, scale)
+        return kernel(q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, max_length, sink, recent,
+                      pol.cache_k, pol.cache_v, scale, key_keep=key_keep)
     except Unsupported as e:
         if q.device.type != "cuda":
             raise
@@ -95,7 +96,8 @@ def decode_attention_op(
 
 
 @decode_attention_op.register_fake
-def _(q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, max_length, sink, recent, policy, scale, impl):
+def _(q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, key_keep, max_length, sink, recent, policy,
+      scale, impl):
     return torch.empty_like(q)
 
 
@@ -114,12 +116,16 @@ def decode_attention(
     policy: AttentionPolicy,
     scale: float | None = None,
     impl: str = "auto",
+    key_keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q (B, Hq, T, D), the T newest tokens of each sequence, over
     a cache laid out as `kv_cache.QuantizedKV` holds it (its tensors, lengths
     (B,) int32 including the T new tokens, max_length >= every length, its sink
     and recent token counts). impl: "auto" (kernel on CUDA, reference on CPU),
     "reference", or "triton" (the kernel, also on CPU under TRITON_INTERPRET=1).
+    key_keep: None, or bool (B, L >= max_length) on q's device, False at the
+    cached positions no query of the sequence sees (a key-padding mask); a
+    query that sees no key outputs zeros, as SDPA does.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
@@ -135,12 +141,21 @@ def decode_attention(
         raise ValueError(f"lengths must be int32 of shape ({b},), got {lengths.dtype} {tuple(lengths.shape)}")
     if t < 1 or t > max_length:
         raise ValueError(f"q: query length must be in 1..max_length ({max_length}), got {t}")
+    if key_keep is not None and (
+        not isinstance(key_keep, torch.Tensor) or key_keep.dtype != torch.bool or key_keep.dim() != 2
+        or key_keep.shape[0] != b or key_keep.shape[1] < max_length or key_keep.device != q.device
+    ):
+        raise ValueError(
+            f"key_keep must be a bool tensor of shape ({b}, >= max_length {max_length}) on {q.device}, got "
+            + (f"{key_keep.dtype} {tuple(key_keep.shape)} on {key_keep.device}"
+               if isinstance(key_keep, torch.Tensor) else type(key_keep).__name__)
+        )
     stored = {x.dtype for x in (hi_k, k_payload, v_payload) if x is not None and x.is_floating_point()}
     if stored and stored != {q.dtype}:
         raise ValueError(f"q: dtype must be the cache's input dtype {stored.pop()}, got {q.dtype}")
     return torch.ops.dma.decode_attention(
-        q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, int(max_length), int(sink), int(recent),
-        policy.to_string(), None if scale is None else float(scale), impl,
+        q, k_payload, k_scales, v_payload, v_scales, hi_k, hi_v, lengths, key_keep, int(max_length), int(sink),
+        int(recent), policy.to_string(), None if scale is None else float(scale), impl,
     )
 
 

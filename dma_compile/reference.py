@@ -271,25 +271,50 @@ def cached_values(x: torch.Tensor, lengths: torch.Tensor, fmt: str, policy: Atte
     return torch.where(high, x.float(), stored)
 
 
+def decode_keep(
+    lengths: torch.Tensor, t: int, max_length: int, key_keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bool (B, T, max_length): the cached keys query t of each sequence sees,
+    keys 0 .. lengths[b] - T + t, less those key_keep[b] (bool (B, >=
+    max_length), None: all) leaves out."""
+    device = lengths.device
+    last = lengths[:, None].long() - t + torch.arange(t, device=device)[None, :]
+    keep = torch.arange(max_length, device=device)[None, None, :] <= last[:, :, None]
+    if key_keep is not None:
+        keep = keep & key_keep[:, None, :max_length].to(device)
+    return keep
+
+
 def decode_attention_math(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+    key_keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of the newest tokens over a cache, in float32.
 
     q (B, Hq, T, D) holds the queries of positions lengths[b] - T .. lengths[b] - 1
     of each sequence; k, v (B, Hkv, L, D) its cached keys and values, positions
-    from lengths[b] on ignored. Query t sees keys 0 .. lengths[b] - T + t.
+    from lengths[b] on ignored. Query t sees keys 0 .. lengths[b] - T + t
+    that key_keep keeps (`decode_keep`); a query that sees none outputs zeros,
+    as SDPA does. Left-out keys never reach a sum, NaN or not.
     """
     b, hq, t, d = q.shape
     group = hq // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    keep = decode_keep(lengths.to(q.device), t, k.shape[2], key_keep)[:, None]
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
+    if key_keep is not None:
+        # A left-out key is left out for every query of its sequence: zero it.
+        kf = kf.masked_fill(~keep.any(dim=2)[..., None], 0.0)
+        vf = vf.masked_fill(~keep.any(dim=2)[..., None], 0.0)
     scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
-    last = lengths.to(q.device)[:, None] - t + torch.arange(t, device=q.device)[None, :]
-    keep = torch.arange(k.shape[2], device=q.device)[None, None, :] <= last[:, :, None]
-    scores = scores.masked_fill(~keep[:, None], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), vf)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return torch.where(keep.any(dim=-1, keepdim=True), torch.matmul(p, vf), 0.0)
 
 
 def rotated_for_cache(q: torch.Tensor, k: torch.Tensor, policy: AttentionPolicy) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,3 +85,46 @@ def test_rotating_cache_generates_close_to_exact(seed):
     assert not torch.equal(out, unrotated)
     err = ((out - exact).norm() / exact.norm()).item()
     assert 0 < err < 0.1, f"seed {seed}: {err}"
+
+
+def test_padded_batch_decodes_through_the_quantized_cache(seed, monkeypatch):
+    """A left-padded batch's decode steps read the quantized storage (the
+    mask travels as a key-keep vector, nothing falls back to the dequantized
+    cache) and stay close to SDPA on the valid positions."""
+    fallbacks = []
+    monkeypatch.setattr(dma_compile.hf, "_log_fallback_once", fallbacks.append)
+    dma_compile.hf.register(FP8, impl="reference")
+    sdpa, dma = causal_lm("llama", "sdpa", seed), causal_lm("llama", "dma", seed)
+    ids = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        expected = sdpa(ids, attention_mask=mask).logits[:, 39:-1]
+        cache = dma_compile.hf.DMACache(dma, FP8)
+        kw = dma_compile.hf.cache_kwargs(dma, cache)
+        out = [dma(ids[:, :40], attention_mask=mask[:, :40], **kw, use_cache=True).logits[:, -1:]]
+        for i in range(40, ids.shape[1] - 1):
+            out.append(dma(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], **kw, use_cache=True).logits)
+    out = torch.cat(out, dim=1)
+    err = ((out - expected).norm() / expected.norm()).item()
+    assert 0 < err < 0.05, f"seed {seed}: {err}"
+    assert fallbacks == []
+    assert cache.layers[0].store.k_scales is not None
+
+
+def test_key_padding_masks_accepts_only_causal_padding_masks():
+    masks = dma_compile.hf.KeyPaddingMasks()
+    lengths = torch.tensor([6, 6], dtype=torch.int32)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[-2:]  # the last two queries of 6 tokens
+    padded = causal.expand(2, 1, 2, 6).clone()
+    padded[1, :, :, :3] = False
+    keep = masks.key_keep(padded, lengths, 2)
+    assert torch.equal(keep, torch.tensor([[True] * 6, [False] * 3 + [True] * 3]))
+    assert masks.key_keep(padded, lengths, 2) is keep  # the same mask object: checked once
+    additive = torch.zeros(2, 1, 2, 6).masked_fill(~padded, float("-inf"))
+    assert torch.equal(dma_compile.hf.KeyPaddingMasks().key_keep(additive, lengths, 2), keep)
+    window = padded.clone()
+    window[:, :, 1, 0] = False  # a sliding window: not causal with key padding
+    assert dma_compile.hf.KeyPaddingMasks().key_keep(window, lengths, 2) is None
+    per_head = padded.expand(2, 4, 2, 6)
+    assert dma_compile.hf.KeyPaddingMasks().key_keep(per_head, lengths, 2) is None

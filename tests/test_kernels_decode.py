@@ -210,3 +210,45 @@ def test_warp_streams_match_reference(warps, block_n, chunk, seed):
     out = decode_attention(q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths,
                            c.max_length, c.sink, c.recent, c.policy.cache_k, c.policy.cache_v, config=config)
     torch.testing.assert_close(out.float(), decode_attention_math(q, *c.values(), c.lengths), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "k_fmt,v_fmt,t",
+    [("mxfp8_e4m3", "mxfp8_e4m3", 1), ("mxfp4_e2m1", "mxfp8_e4m3", 2), ("none", "none", 1)],
+)
+def test_key_keep_leaves_out_keys_as_the_reference(k_fmt, v_fmt, t, seed):
+    """A key-keep vector (a padded batch's key mask) leaves its keys out of
+    every chunk, the sinks and the recent window included: sequence 0 loses
+    its first 20 keys (left padding), sequence 1 random ones, sequence 2 all
+    of them (zeros out, as SDPA). A NaN in a left-out key reaches no row."""
+    policy = BASE.replace(cache_k=k_fmt, cache_v=v_fmt)
+    lengths = [150, 97, 60]
+    c = _cache(policy, 3, 2, 32, lengths, torch.bfloat16)
+    keep = torch.rand(3, 160, device=DEVICE) < 0.6
+    keep[0] = True
+    keep[0, :20] = False
+    keep[2] = False
+    if k_fmt != "none":
+        nan_k = torch.full((3, 2, 1, 32), float("nan"), device=DEVICE).bfloat16()
+        nan_v = torch.full((3, 2, 1, 32), float("nan"), device=DEVICE).bfloat16()
+        c.append(nan_k, nan_v)
+        keep[:, 150:] = False
+        keep[1, 97] = False
+        keep[2, 60] = False
+    q = torch.randn(3, 4, t, 32, device=DEVICE).bfloat16()
+    out = c.attend(q, impl="triton", key_keep=keep)
+    expected = decode_attention_math(q, *c.values(), c.lengths, key_keep=keep)
+    assert not out.isnan().any() and not expected.isnan().any()
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    assert (out[2] == 0).all()
+    kept_all = decode_attention_math(q, *c.values(), c.lengths)
+    assert not torch.allclose(expected[0].nan_to_num(), kept_all[0].nan_to_num(), atol=1e-2)
+
+
+def test_key_keep_is_checked():
+    cache = _cache(BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3"), 2, 1, 32, [40, 30], torch.bfloat16)
+    q = torch.randn(2, 1, 1, 32, device=DEVICE).bfloat16()
+    for bad in (torch.ones(2, 39, dtype=torch.bool, device=DEVICE), torch.ones(2, 40, device=DEVICE),
+                torch.ones(3, 40, dtype=torch.bool, device=DEVICE), [True] * 40):
+        with pytest.raises(ValueError, match="key_keep must be a bool tensor"):
+            cache.attend(q, key_keep=bad)

@@ -95,18 +95,25 @@ def test_attend_rejects_bad_queries():
         cache.attend(torch.zeros(2, 4, 3, 32).bfloat16())
 
 
-def test_gpu_fallback_sdpa_path_matches_reference(seed):
-    """What a GPU runs when the kernel cannot serve a call: SDPA over the dequantized cache."""
+@pytest.mark.parametrize("masked", [False, True])
+def test_gpu_fallback_sdpa_path_matches_reference(masked, seed):
+    """What a GPU runs when the kernel cannot serve a call: SDPA over the
+    dequantized cache; with a key-keep vector that leaves sequence 1 no key,
+    its rows are zeros."""
     from dma_compile.ops_decode import _dequantized_attention
 
     cache = QuantizedKV(2, 2, 32, capacity=90, policy=POLICY)
     cache.append(torch.randn(2, 2, 80, 32).bfloat16(), torch.randn(2, 2, 80, 32).bfloat16(), torch.tensor([80, 47]))
     q = torch.randn(2, 4, 3, 32).bfloat16()
+    keep = torch.rand(2, 80) < 0.7 if masked else None
+    if masked:
+        keep[1] = False
     c = cache
-    args = (q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths, c.max_length,
+    args = (q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths, keep, c.max_length,
             c.sink, c.recent, c.policy, None)
-    torch.testing.assert_close(_dequantized_attention(*args, exact=False).float(),
-                               _dequantized_attention(*args, exact=True).float(), atol=1e-2, rtol=1e-2)
+    out = _dequantized_attention(*args, exact=False).float()
+    torch.testing.assert_close(out, _dequantized_attention(*args, exact=True).float(), atol=1e-2, rtol=1e-2)
+    assert (out[1] == 0).all() == masked
 
 
 @pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])

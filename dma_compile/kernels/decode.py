@@ -11,7 +11,9 @@ cache is ever written. Per chunk it writes the normalised partial output and
 its log-sum-exp (base 2); a second kernel merges the chunks.
 
 Sequences of one batch may have different lengths (`lengths`); chunks past a
-sequence's end write an empty partial (log-sum-exp -inf).
+sequence's end write an empty partial (log-sum-exp -inf). A key-keep vector
+per sequence (`key_keep`) leaves out cached positions that no query of it
+sees, as a padded batch's key-padding mask does.
 """
 
 from __future__ import annotations
@@ -165,20 +167,38 @@ def _scale_bytes(ptr, pos, ok, stride, FMT: tl.constexpr, OTHER: tl.constexpr, D
 
 
 @triton.jit
+def _kept_bytes(sb, ok, OTHER: tl.constexpr, FMT: tl.constexpr):
+    """Scale bytes (`_scale_bytes`) with those of keys outside `ok` (W, BLOCK_N) set to OTHER."""
+    if FMT == FMT_E2M1:
+        r = tl.where(ok[:, :, None], sb, OTHER)
+    elif FMT == FMT_E4M3:
+        r = tl.where(ok, sb, OTHER)
+    else:
+        r = sb
+    return r
+
+
+@triton.jit
 def _step(
-    acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring,
+    acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
     kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr, MASKED: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr, MASKED: tl.constexpr, HAS_KEEP: tl.constexpr,
     D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """One online-softmax step over W * BLOCK_N keys from n0 (see _attend_range);
     returns the state and the next step's scale bytes. Without MASKED every key
-    exists and every row sees it: no load mask, no score mask."""
+    exists and every row sees it: no load mask, no score mask. With HAS_KEEP
+    a key whose byte at keep_row is 0 is left out for every row: neither its
+    payload nor its scale is read into the sums, so a NaN there reaches no row."""
     pos = n0 + tl.arange(0, W)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     if MASKED:
         ok = pos < end
     else:
         ok = tl.full((W, BLOCK_N), 1, tl.int1)
+    if HAS_KEEP:
+        ok = ok & (tl.load(keep_row + pos, mask=ok, other=0) != 0)
+        k_sb = _kept_bytes(k_sb, ok, 127, K_FMT)
+        v_sb = _kept_bytes(v_sb, ok, 0, V_FMT)
     if RING:
         slot = slot_base + pos % ring
     else:
@@ -189,6 +209,8 @@ def _step(
     s = _scores(q, q_even, q_odd, q16, q16_scale, kp, k_sb, slot, ok, stride_kt, sm_scale, K_FMT, D, W, BLOCK_N, HW_CVT)
     if MASKED:
         s = tl.where(ok[:, None, :] & (pos[:, None, :] <= qpos[None, :, None]), s, float("-inf"))
+    elif HAS_KEEP:
+        s = tl.where(ok[:, None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 2))
     # Rows that have seen no key yet keep m = -inf: shift by 0 instead.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -201,16 +223,17 @@ def _step(
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, end, visible, qpos, slot_base, ring,
+    acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, end, visible, qpos, slot_base, ring, keep_row,
     kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr, HAS_KEEP: tl.constexpr,
     D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """Online softmax over keys [start, end), W independent streams: each step
     warp w takes keys n0 + w * BLOCK_N + [0, BLOCK_N) into its own (acc, m_i,
     l_i) slice, so no reduction or layout change crosses warps inside the loop.
     A position p lives at slot p of the store, or with RING at slot_base + p %
-    ring (the recent window). Keys below `visible` are seen by every row.
+    ring (the recent window). Keys below `visible` are seen by every row
+    (HAS_KEEP: every row sees the keys the sequence's keep bytes keep).
 
     The steps whose keys all exist and are all visible run unmasked, the rest
     (at most two) masked. The payload goes through Triton's pipeliner
@@ -224,26 +247,26 @@ def _attend_range(
     v_sb = _scale_bytes(vs, lane, lane < end, stride_vs, V_FMT, 0, D)
     for n0 in tl.range(start, full_end, step, num_stages=STAGES):
         acc, m_i, l_i, k_sb, v_sb = _step(
-            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring,
+            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
             kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-            K_FMT, V_FMT, RING, False, D, W, BLOCK_N, HW_CVT)
+            K_FMT, V_FMT, RING, False, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
     for n0 in tl.range(full_end, end, step, num_stages=1):
         acc, m_i, l_i, k_sb, v_sb = _step(
-            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring,
+            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
             kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-            K_FMT, V_FMT, RING, True, D, W, BLOCK_N, HW_CVT)
+            K_FMT, V_FMT, RING, True, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KP, KS, VP, VS, HK, HV, LENGTHS, O_PART, LSE_PART,
-    sqb, sqh, sqt,
+    Q, KP, KS, VP, VS, HK, HV, LENGTHS, KEEP, O_PART, LSE_PART,
+    sqb, sqh, sqt, skeep,
     skb, skh, skt, sksb, sksh, skst,
     svb, svh, svt, svsb, svsh, svst,
     shb, shh, sht,
     sm_scale, T, G, HKV, CHUNK, SINK, RECENT,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr, HAS_HI: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, HAS_HI: tl.constexpr, HAS_KEEP: tl.constexpr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
@@ -254,6 +277,7 @@ def _decode_split_kernel(
     b = (pid // HKV).to(tl.int64)
     h = (pid % HKV).to(tl.int64)
     length = tl.load(LENGTHS + b)
+    keep_row = KEEP + b * skeep
 
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < G * T
@@ -304,21 +328,21 @@ def _decode_split_kernel(
             hk = HK + b * shb + h * shh
             hv = HV + b * shb + h * shh
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q, q, q16, q16_scale, 0, lo_start, visible, qpos, 0, 1, hk, hk, hv, hv, sht, 0, sht, 0, sm_scale,
-                0, 0, False, D, W, BLOCK_N, 1, HW_CVT)
+                acc, m_i, l_i, q, q, q, q16, q16_scale, 0, lo_start, visible, qpos, 0, 1, keep_row, hk, hk, hv, hv, sht, 0, sht,
+                0, sm_scale, 0, 0, False, HAS_KEEP, D, W, BLOCK_N, 1, HW_CVT)
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q, q, q16, q16_scale, lo_end, length, visible, qpos, SINK, RECENT, hk, hk, hv, hv, sht, 0, sht, 0,
-                sm_scale, 0, 0, True, D, W, BLOCK_N, 1, HW_CVT)
+                acc, m_i, l_i, q, q, q, q16, q16_scale, lo_end, length, visible, qpos, SINK, RECENT, keep_row, hk, hk, hv, hv,
+                sht, 0, sht, 0, sm_scale, 0, 0, True, HAS_KEEP, D, W, BLOCK_N, 1, HW_CVT)
         else:
             start = lo_start + (chunk - 1) * CHUNK
             acc, m_i, l_i = _attend_range(
                 acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(lo_end, start + CHUNK), visible, qpos, 0, 0,
-                kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, W, BLOCK_N, STAGES, HW_CVT)
+                keep_row, kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, HAS_KEEP, D, W, BLOCK_N, STAGES, HW_CVT)
     else:
         start = chunk * CHUNK
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(length, start + CHUNK), visible, qpos, 0, 0,
-            kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, D, W, BLOCK_N, STAGES, HW_CVT)
+            keep_row, kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, HAS_KEEP, D, W, BLOCK_N, STAGES, HW_CVT)
 
     # Merge the warps' streams, once per program.
     m = tl.max(m_i, 0)
@@ -350,7 +374,9 @@ def _decode_combine_kernel(
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
     d = tl.arange(0, D)
     o = tl.load(O_PART + part[:, None] * D + d[None, :], mask=c_ok[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    # A row that keeps no key (all its chunks empty) outputs zeros, as SDPA does.
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     dst = OUT + b * sob + (h * G + row // T) * soh + (row % T) * sot + d
     tl.store(dst, out.to(OUT.dtype.element_ty))
 
@@ -413,13 +439,15 @@ def decode_attention(
     scale: float | None = None,
     chunk: int | None = None,
     config: DecodeConfig | None = None,
+    key_keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of q (B, Hq, T, D) over a cache laid out as in
     dma_compile.kv_cache; returns (B, Hq, T, D) in q's dtype.
 
     max_length bounds lengths (it sizes the grid); chunk overrides the
     config's keys per program (tests); config overrides `default_config`
-    (benchmarks' sweeps).
+    (benchmarks' sweeps). key_keep: None, or bool (B, >= max_length), False
+    for the cached positions no query sees (a padded batch's pad tokens).
     """
     q = q if q.stride(-1) == 1 else q.contiguous()
     b, hq, t, d = q.shape
@@ -450,16 +478,17 @@ def decode_attention(
     vs = v_scales if v_scales is not None else placeholder
     hk = hi_k if has_hi else placeholder
     hv = hi_v if has_hi else placeholder
+    keep = placeholder if key_keep is None else _keep_bytes(key_keep)
     sm_scale = (1.0 / math.sqrt(d) if scale is None else scale) * LOG2E.value
     _decode_split_kernel[(b * hkv, n_chunks)](
-        q, k_payload, ks, v_payload, vs, hk, hv, lengths, o_part, lse_part,
-        q.stride(0), q.stride(1), q.stride(2),
+        q, k_payload, ks, v_payload, vs, hk, hv, lengths, keep, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2), keep.stride(0),
         *k_payload.stride()[:3], *ks.stride()[:3],
         *v_payload.stride()[:3], *vs.stride()[:3],
         *hk.stride()[:3],
         sm_scale, t, group, hkv, chunk, sink, recent,
         K_FMT=CACHE_FORMAT_CODES[k_fmt], V_FMT=CACHE_FORMAT_CODES[v_fmt], HAS_HI=has_hi,
-        D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
+        HAS_KEEP=key_keep is not None, D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
         HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -469,6 +498,12 @@ def decode_attention(
         D=d, BLOCK_M=block_m, BLOCK_C=triton.next_power_of_2(n_chunks),
     )
     return out
+
+
+def _keep_bytes(key_keep: torch.Tensor) -> torch.Tensor:
+    """key_keep as the kernel reads it: one byte per position, unit stride along positions."""
+    keep = key_keep.view(torch.uint8) if key_keep.dtype == torch.bool else key_keep.to(torch.uint8)
+    return keep if keep.stride(-1) == 1 else keep.contiguous()
 
 
 def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 4, query_len: int = 1,
@@ -502,10 +537,10 @@ def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 
                *hi.stride()[:3]]
     args = {
         "Q": q, "KP": kp, "KS": ks, "VP": vp, "VS": vs, "HK": hi, "HV": hi,
-        "LENGTHS": torch.empty(b, dtype=torch.int32), "O_PART": part, "LSE_PART": part,
+        "LENGTHS": torch.empty(b, dtype=torch.int32), "KEEP": torch.empty(b, capacity, dtype=torch.uint8), "skeep": capacity, "O_PART": part, "LSE_PART": part,
         **dict(zip(names, strides)),
         "sm_scale": 0.1, "T": query_len, "G": group, "HKV": hkv, "CHUNK": config.chunk, "SINK": 32, "RECENT": 32,
-        "K_FMT": CACHE_FORMAT_CODES[k_fmt], "V_FMT": CACHE_FORMAT_CODES[v_fmt], "HAS_HI": True,
+        "K_FMT": CACHE_FORMAT_CODES[k_fmt], "V_FMT": CACHE_FORMAT_CODES[v_fmt], "HAS_HI": True, "HAS_KEEP": False,
         "D": head_dim, "BLOCK_M": block_m, "W": config.num_warps, "BLOCK_N": config.block_n,
         "STAGES": config.num_stages, "HW_CVT": True,
     }
