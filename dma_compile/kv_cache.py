@@ -150,6 +150,50 @@ class QuantizedKV:
         self.lengths += t if count is None else count.to(torch.int32)
         self.max_length = max(self.max_length, new_max)
 
+    def write_at(self, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, impl: str = "auto") -> None:
+        """Write k, v (batch, kv_heads, T, head_dim) at positions start .. start
+        + T - 1 of every sequence and set every length to start + T; start is
+        a 0-d integer tensor on the cache's device.
+
+        Tensor operations only, no host sync and no Python state (max_length
+        is left as it is), so a static cache's step can run inside a compiled
+        graph or a CUDA graph. Positions past the capacity are not checked."""
+        self._check("k", k)
+        self._check("v", v)
+        if k.shape != v.shape:
+            raise ValueError(f"v: shape must match k's {tuple(k.shape)}, got {tuple(v.shape)}")
+        t = k.shape[2]
+        k = rotate_tokens(k, self.rotate, impl)
+        p = start + torch.arange(t, device=self.device)
+        for x, fmt, payload, scales in (
+            (k, self.policy.cache_k, self.k_payload, self.k_scales),
+            (v, self.policy.cache_v, self.v_payload, self.v_scales),
+        ):
+            enc, sc = encode_cache_tokens(x, fmt, self.policy.scale_rule, impl)
+            payload.index_copy_(2, p, enc)
+            if sc is not None:
+                scales.index_copy_(2, p, sc)
+        if self.hi_k is not None:
+            for x, hi in ((k, self.hi_k), (v, self.hi_v)):
+                if t > self.recent and self.sink:
+                    # Sink slot s takes token s - start of this step, if there is one.
+                    s = torch.arange(self.sink, device=self.device)
+                    offset = s - start
+                    token = x[:, :, offset.clamp(0, t - 1)]
+                    mine = ((offset >= 0) & (offset < t))[None, None, :, None]
+                    hi[:, :, : self.sink] = torch.where(mine, token, hi[:, :, : self.sink])
+                n = min(t, self.recent)
+                if n:
+                    # The last n tokens: distinct slots (sinks or the ring), the recent window's new state.
+                    slot = cache_formats.high_slots(p[t - n :], self.sink, self.recent)
+                    hi.index_copy_(2, slot, x[:, :, t - n :])
+        self.lengths.copy_((start + t).to(torch.int32).expand(self.batch))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the cache holds (payloads, scales, the input-dtype part, lengths)."""
+        held = (self.k_payload, self.k_scales, self.v_payload, self.v_scales, self.hi_k, self.hi_v, self.lengths)
+        return tuple(x for x in held if x is not None)
+
     def grow(self, capacity: int) -> None:
         """Reallocate to hold `capacity` tokens per sequence, keeping the contents."""
         if _positive_int("capacity", capacity) < self.max_length:

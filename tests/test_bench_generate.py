@@ -74,9 +74,14 @@ def test_targets_are_judged_per_mode_and_length(bench):
         {"variant": "dma", "mode": "eager", "prompt": 16384, "ttft_ms": 100.0, "decode_tok_s": 49.0},
         {"variant": "sdpa", "mode": "compiled", "prompt": 16384, "ttft_ms": 90.0, "decode_tok_s": 60.0},
         {"variant": "dma", "mode": "compiled", "prompt": 16384, "ttft_ms": 75.0, "decode_tok_s": 55.0},
+        {"variant": "dma-cache", "mode": "compiled", "prompt": 16384, "ttft_ms": 95.0, "decode_tok_s": 30.0},
+        {"variant": "sdpa", "mode": "compiled", "prompt": 32768, "ttft_ms": 200.0, "decode_tok_s": 40.0},
+        {"variant": "dma-cache", "mode": "compiled", "prompt": 32768, "ttft_ms": 190.0, "decode_tok_s": 56.0},
     ]
     bench.add_ratios(rows)
     lines = bench.target_lines(rows)
+    # The quantized-cache rows have their own decode target, and stay out of the bf16-cache ones.
+    assert lines[4] == "target: dma-cache decode tok/s >= 1.3x SDPA's from 32768 tokens: met (compiled 32768: 1.400x)"
     assert lines[0].startswith("target: eager DMA TTFT >= 1.0x eager SDPA at 16384 tokens: met")
     assert "at 4096 tokens: not measured" in lines[1]
     assert lines[2].startswith("target: compiled DMA TTFT >= 1.4x compiled SDPA at 16384 tokens: not met (dma 1.200x)")

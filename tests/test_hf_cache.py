@@ -5,6 +5,7 @@ import torch
 from tiny_models import causal_lm
 
 import dma_compile.hf
+import dma_compile.hf_cache
 from dma_compile import AttentionPolicy
 
 EXACT = AttentionPolicy.preset("exact")
@@ -92,7 +93,7 @@ def test_padded_batch_decodes_through_the_quantized_cache(seed, monkeypatch):
     mask travels as a key-keep vector, nothing falls back to the dequantized
     cache) and stay close to SDPA on the valid positions."""
     fallbacks = []
-    monkeypatch.setattr(dma_compile.hf, "_log_fallback_once", fallbacks.append)
+    monkeypatch.setattr(dma_compile.hf_cache, "_log_fallback_once", fallbacks.append)
     dma_compile.hf.register(FP8, impl="reference")
     sdpa, dma = causal_lm("llama", "sdpa", seed), causal_lm("llama", "dma", seed)
     ids = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(seed))
@@ -128,3 +129,57 @@ def test_key_padding_masks_accepts_only_causal_padding_masks():
     assert dma_compile.hf.KeyPaddingMasks().key_keep(window, lengths, 2) is None
     per_head = padded.expand(2, 4, 2, 6)
     assert dma_compile.hf.KeyPaddingMasks().key_keep(per_head, lengths, 2) is None
+
+
+def test_static_cache_matches_the_growing_one(seed):
+    """The static layout (fixed capacity, position in a tensor) generates what
+    the growing one does, through the prefill and the decode steps."""
+    dma_compile.hf.register(FP8, impl="reference")
+    dma = causal_lm("llama", "dma", seed)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        grown = dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, FP8)), **kw)
+        static = dma_compile.hf.DMACache(dma, FP8, max_cache_len=60)
+        out = dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, static), **kw)
+    assert torch.equal(out.sequences, grown.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(grown.logits), atol=1e-4, rtol=1e-4)
+    layer = static.layers[0]
+    assert isinstance(layer, dma_compile.hf.DMAStaticCacheLayer) and layer.store.capacity == 60
+    assert int(layer.position) == 51 and layer.store.lengths.tolist() == [51, 51]
+
+
+def test_static_cache_under_torch_compile(seed):
+    """Compiled forward on the static cache: one graph for the prefill and one
+    for the decode steps (no recompilation per step), the same tokens as
+    eager, and a padded batch's decode steps keep their key padding."""
+    dma_compile.hf.register(FP8, impl="reference")
+    dma = causal_lm("llama", "dma", seed)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, FP8, 50)), **kw)
+        graphs = []
+
+        def counting_backend(gm, example_inputs):
+            graphs.append(gm)
+            # aot_eager functionalizes the graph, as Inductor does: the in-place cache writes must survive it.
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+        torch._dynamo.reset()
+        forward = dma.forward
+        dma.forward = torch.compile(forward, backend=counting_backend, dynamic=False)
+        try:
+            cache = dma_compile.hf.DMACache(dma, FP8, 50)
+            cache.early_initialization(2, dma.config.num_key_value_heads, dma.config.head_dim, torch.float32,
+                                       torch.device("cpu"))
+            compiled = dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, cache), **kw)
+            again = dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, cache.reset() or cache), **kw)
+        finally:
+            dma.forward = forward
+            torch._dynamo.reset()
+    assert torch.equal(compiled, eager) and torch.equal(again, eager)
+    assert len(graphs) == 2, [len(g.graph.nodes) for g in graphs]

@@ -16,7 +16,7 @@ LAYERS = [
     ["compare"],
     ["calibrate"],
     ["backend", "passes", "prepare"],
-    ["hf", "capture", "loading", "timing", "assets"],
+    ["hf", "hf_cache", "hf_config", "capture", "loading", "timing", "assets"],
     ["kv_cache"],
     ["ops", "ops_decode"],
     ["validate", "kernels"],

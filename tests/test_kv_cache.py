@@ -40,6 +40,32 @@ def test_appends_in_pieces_hold_the_reference_values(policy, seed):
         assert torch.equal(ks[i : i + 1, :, :n_i], want_k) and torch.equal(vs[i : i + 1, :, :n_i], want_v)
 
 
+@pytest.mark.parametrize("policy", [POLICY, POLICY.replace(cache_k="mxfp8_e4m3", recent_tokens=0),
+                                    POLICY.replace(cache_k="none", cache_v="none"),
+                                    POLICY.replace(cache_v="none", sink_tiles=0),
+                                    POLICY.replace(sink_tiles=1, recent_tokens=4)])
+@pytest.mark.parametrize("pieces", [(40, 1, 3, 25), (5, 1, 1, 30, 1)])
+def test_write_at_holds_what_append_holds(policy, pieces, seed):
+    """A static cache's writes (tensor position, no Python state) leave the
+    same values as appends: prefills longer and shorter than the sinks and
+    the recent window, single tokens, a long chunk after them."""
+    b, h, d = 2, 2, 64
+    n = sum(pieces)
+    k, v = torch.randn(b, h, n, d).bfloat16(), torch.randn(b, h, n, d).bfloat16()
+    grown = QuantizedKV(b, h, d, capacity=n + 4, policy=policy, dtype=torch.bfloat16)
+    static = QuantizedKV(b, h, d, capacity=n + 4, policy=policy, dtype=torch.bfloat16)
+    position = torch.zeros((), dtype=torch.int64)
+    for piece in pieces:
+        at = int(position)
+        grown.append(k[:, :, at : at + piece], v[:, :, at : at + piece])
+        static.write_at(k[:, :, at : at + piece], v[:, :, at : at + piece], position)
+        position += piece
+        assert torch.equal(static.lengths, grown.lengths)
+        static.max_length = grown.max_length
+        for a, w in zip(static.values(), grown.values()):
+            assert torch.equal(a, w)
+
+
 def test_attend_reference_matches_decode_reference(seed):
     k, v = torch.randn(2, 3, 70, 32).half(), torch.randn(2, 3, 70, 32).half()
     q = torch.randn(2, 9, 3, 32).half()
