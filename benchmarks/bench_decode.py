@@ -12,14 +12,17 @@ graphs (`triton.testing.do_bench_cudagraph`, median):
   cache policy (sinks and a 128-token recent window in bf16).
 
 Prints a table of µs, ratios to SDPA and the cache's bytes per token, and
-writes JSON. `--model-layers N` also times whole-model eager decode (a
+writes JSON. `--model-layers N` also times whole-model decode (a
 transformers Llama with Llama-3-8B's layer shapes and N layers, random
 weights, `--model-context` cached tokens): SDPA with a StaticCache against
-dma_compile.hf.DMACache per cache policy, tokens/s.
+dma_compile.hf.DMACache per cache policy, tokens/s; eager, or with
+`--model-compiled` each step compiled with mode="reduce-overhead" (CUDA
+graphs) on a static DMACache.
 
     python benchmarks/bench_decode.py                    # the issue's shapes
     python benchmarks/bench_decode.py --lengths 4096 32768 131072 --batches 1 8 32 --head-dims 128
     python benchmarks/bench_decode.py --model-layers 4 --model-context 32768
+    python benchmarks/bench_decode.py --lengths 4096 --batches 1 --model-layers 4 --model-compiled
 """
 
 from __future__ import annotations
@@ -132,40 +135,64 @@ def run_shape(b, hq, hkv, n, d):
     return row
 
 
+def _positions(model, i: int, batch: int) -> dict:
+    """Position keywords of a decode step at position i: given explicitly, a
+    compiled step never derives them from the cache's length tensor."""
+    import inspect
+
+    pos = torch.full((batch, 1), i, device=DEVICE)
+    kw = {"position_ids": pos}
+    if "cache_position" in inspect.signature(type(model).forward).parameters:
+        kw["cache_position"] = pos[0]
+    return kw
+
+
 @torch.no_grad()
-def model_decode(layers: int, context: int, batch: int, steps: int = 32) -> dict:
-    """Eager decode tokens/s of a random-weight Llama-3-8B-shaped model after a `context` prefill."""
+def model_decode(layers: int, context: int, batch: int, steps: int = 32, compiled: bool = False) -> dict:
+    """Decode tokens/s of a random-weight Llama-3-8B-shaped model after a `context` prefill:
+    eager, or with `compiled` each step through torch.compile(mode="reduce-overhead")
+    on static caches (SDPA's StaticCache, a static DMACache), after warm-up steps."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     import dma_compile.hf
 
+    warmup = 3 if compiled else 0
+    total = context + warmup + steps
     config = LlamaConfig(
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=context + steps,
+        num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=total,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(DEVICE, torch.bfloat16).eval()
-    ids = torch.randint(0, config.vocab_size, (batch, context + steps), device=DEVICE)
+    ids = torch.randint(0, config.vocab_size, (batch, total), device=DEVICE)
     dma_compile.hf.register()
-    result = {"layers": layers, "context": context, "batch": batch}
+    result = {"layers": layers, "context": context, "batch": batch, "compiled": compiled}
+    eager_forward = model.forward
     for name in ["sdpa", *CACHES]:
+        torch._dynamo.reset()
         model.set_attn_implementation("sdpa" if name == "sdpa" else dma_compile.hf.NAME)
         if name == "sdpa":
-            cache = StaticCache(config=config, max_cache_len=context + steps)
+            cache = StaticCache(config=config, max_cache_len=total)
         else:
-            cache = dma_compile.hf.DMACache(model, CACHES[name])
+            cache = dma_compile.hf.DMACache(model, CACHES[name], max_cache_len=total if compiled else None)
+        if compiled:
+            cache.early_initialization(batch, config.num_key_value_heads, config.head_dim, torch.bfloat16, DEVICE)
+        kw = dma_compile.hf.cache_kwargs(model, cache)
         # Chunked prefill keeps SDPA's explicit masks (StaticCache) small.
         for start in range(0, context, PREFILL_CHUNK):
-            model(ids[:, start : min(start + PREFILL_CHUNK, context)], **dma_compile.hf.cache_kwargs(model, cache),
-                  use_cache=True)
+            eager_forward(ids[:, start : min(start + PREFILL_CHUNK, context)], **kw, use_cache=True)
+        step = torch.compile(eager_forward, mode="reduce-overhead", dynamic=False) if compiled else eager_forward
+        for i in range(context, context + warmup):
+            step(ids[:, i : i + 1], **kw, **_positions(model, i, batch), use_cache=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for i in range(context, context + steps):
-            model(ids[:, i : i + 1], **dma_compile.hf.cache_kwargs(model, cache), use_cache=True)
+        for i in range(context + warmup, total):
+            step(ids[:, i : i + 1], **kw, **_positions(model, i, batch), use_cache=True)
         torch.cuda.synchronize()
         result[f"{name}_tok_s"] = steps * batch / (time.perf_counter() - start)
-        del cache
+        del cache, step
         torch.cuda.empty_cache()
+    torch._dynamo.reset()
     for name in CACHES:
         result[f"{name}_x"] = result[f"{name}_tok_s"] / result["sdpa_tok_s"]
     return result
@@ -180,6 +207,8 @@ def main() -> None:
     parser.add_argument("--model-layers", type=int, default=0, help="also time whole-model decode (0: no)")
     parser.add_argument("--model-context", type=int, default=32768)
     parser.add_argument("--model-batch", type=int, default=8)
+    parser.add_argument("--model-compiled", action="store_true",
+                        help="time whole-model decode steps compiled (reduce-overhead, static caches)")
     parser.add_argument("--out", default="benchmarks/results/h200_decode.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -200,7 +229,8 @@ def main() -> None:
     print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, floatfmt=".3g"))
     model = None
     if args.model_layers:
-        model = model_decode(args.model_layers, args.model_context, args.model_batch)
+        model = model_decode(args.model_layers, args.model_context, args.model_batch,
+                             compiled=args.model_compiled)
         print(tabulate([list(model.values())], headers=list(model), floatfmt=".3g"))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -183,3 +183,33 @@ def test_static_cache_under_torch_compile(seed):
             torch._dynamo.reset()
     assert torch.equal(compiled, eager) and torch.equal(again, eager)
     assert len(graphs) == 2, [len(g.graph.nodes) for g in graphs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_k", ["mxfp8_e4m3", "mxfp4_e2m1"])
+def test_static_cache_in_cuda_graphs(cache_k, seed):
+    """On a GPU, the compiled decode step (mode="reduce-overhead": CUDA graphs
+    replaying the encode, rotation and decode kernels) generates the tokens
+    the eager static cache does, and replays rather than re-records."""
+    policy = FP8.replace(cache_k=cache_k, rotate="signed_hadamard" if cache_k == "mxfp4_e2m1" else "none")
+    dma_compile.hf.register(policy)
+    dma = causal_lm("llama", "dma", seed, head_dim=64).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(seed)).cuda()
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, policy, 90)), **kw)
+        torch._dynamo.reset()
+        forward = dma.forward
+        dma.forward = torch.compile(forward, mode="reduce-overhead", dynamic=False)
+        try:
+            cache = dma_compile.hf.DMACache(dma, policy, 90)
+            cache.early_initialization(2, 2, 64, torch.bfloat16, torch.device("cuda"))
+            runs = []
+            for _ in range(3):
+                cache.reset()
+                runs.append(dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, cache), **kw))
+        finally:
+            dma.forward = forward
+            torch._dynamo.reset()
+    for run in runs:
+        assert torch.equal(run, eager), f"seed {seed}"
