@@ -6,7 +6,9 @@ head): 2^round(log2(amax_K[j] / amax_Q[j]) / 2), the amaxes over the call's
 tokens (and over the query heads of the group for Q). Scores are unchanged
 in exact arithmetic; the two operands' channel ranges meet halfway
 (SmoothQuant's balancing, applied between Q and K). "none" tiles keep Q and
-K as they are.
+K as they are. `--balance k` takes K's statistics alone (no query row's
+content moves another's output, as a padded batch needs):
+2^round(log2(amax_K[j] / g) / 2), g the geometric mean of amax_K over channels.
 
 --least-squares-exponents: each MXFP4 block takes rceil's exponent or the one
 below it, whichever gives the smaller squared error (the one below clips the
@@ -32,8 +34,9 @@ import dma_compile.formats as formats
 import dma_compile.reference as reference
 
 
-def balanced(format_scores):
-    """`reference.format_scores` with Q and K balanced per channel before MX quantization."""
+def balanced(format_scores, by: str = "qk"):
+    """`reference.format_scores` with Q and K balanced per channel before MX
+    quantization, from both operands' statistics ("qk") or K's alone ("k")."""
 
     def scores(qc, kc, fmt, policy, scale, q_dtype, k_dtype):
         if fmt == "none":
@@ -41,9 +44,12 @@ def balanced(format_scores):
         b, hq, lq, d = qc.shape
         hk = kc.shape[1]
         q_rows = qc.reshape(b, hk, hq // hk * lq, d)
-        q_amax = q_rows.abs().amax(2, keepdim=True).clamp_min(1e-6)
         k_amax = kc.abs().amax(2, keepdim=True).clamp_min(1e-6)
-        s = torch.exp2(torch.round(0.5 * torch.log2(k_amax / q_amax)))
+        if by == "k":
+            reference_amax = torch.exp2(torch.log2(k_amax).mean(-1, keepdim=True))
+        else:
+            reference_amax = q_rows.abs().amax(2, keepdim=True).clamp_min(1e-6)
+        s = torch.exp2(torch.round(0.5 * torch.log2(k_amax / reference_amax)))
         return format_scores((q_rows * s).reshape(qc.shape), kc / s, fmt, policy, scale, q_dtype, k_dtype)
 
     return scores
@@ -71,7 +77,8 @@ def least_squares(scale_exponents):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
-    parser.add_argument("--balance", action="store_true", help="balance Q and K per channel")
+    parser.add_argument("--balance", nargs="?", const="qk", choices=["qk", "k"],
+                        help="balance Q and K per channel, from both operands' statistics (qk, the default) or K's")
     parser.add_argument("--least-squares-exponents", action="store_true", help="MXFP4 exponents by squared error")
     parser.add_argument("-h", "--help", action="store_true")
     args, rest = parser.parse_known_args(argv)
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         raise SystemExit("qk_scaling_accuracy: CPU only (on a GPU the kernels, which lack these changes, would run)")
     if args.balance:
-        reference.format_scores = balanced(reference.format_scores)
+        reference.format_scores = balanced(reference.format_scores, args.balance)
     if args.least_squares_exponents:
         formats.scale_exponents = least_squares(formats.scale_exponents)
     print(f"balance {args.balance}, least-squares MXFP4 exponents {args.least_squares_exponents}", flush=True)
