@@ -20,9 +20,10 @@ Two layouts:
   with per-sequence lengths, so the decode step is one fixed graph:
   `torch.compile(model.forward, mode="reduce-overhead")` captures it in a
   CUDA graph. Under torch.compile, a prefill (queries at least the policy's
-  `min_q_len`) is taken to start at position 0, and the decode mask is
-  trusted to be causal with key padding (what transformers builds for
-  full-attention layers): neither can be checked without a host sync.
+  `min_q_len`) must start at position 0 (a device-side assertion; chunked
+  prefill works eager only), and the decode mask is trusted to be causal
+  with key padding (what transformers builds for full-attention layers):
+  compiled code cannot check it without a host sync.
 """
 
 from __future__ import annotations
@@ -208,10 +209,15 @@ class DMAStaticCacheLayer(_QuantizedLayer):
     def reads_cache(self, query: torch.Tensor) -> bool:
         """Decode steps (queries shorter than the policy's `min_q_len`) read
         the cache; so does a longer step that does not start at position 0
-        (a chunked prefill), which only eager code can see."""
+        (a chunked prefill), which eager code reads off the position. Compiled
+        code cannot branch on it: there such a step fails an assertion on the
+        device instead of attending to its own tokens alone."""
         if query.shape[2] < self.policy.min_q_len:
             return True
-        return not torch.compiler.is_compiling() and int(self.start) > 0
+        if torch.compiler.is_compiling():
+            torch._assert_async(self.start == 0, "a compiled prefill into a static DMACache must start at position 0")
+            return False
+        return int(self.start) > 0
 
     def _key_keep(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
         if torch.compiler.is_compiling():

@@ -213,3 +213,22 @@ def test_static_cache_in_cuda_graphs(cache_k, seed):
             torch._dynamo.reset()
     for run in runs:
         assert torch.equal(run, eager), f"seed {seed}"
+
+
+def test_compiled_chunked_prefill_into_a_static_cache_fails_loudly(seed):
+    """A compiled step of prefill length that does not start at position 0
+    cannot attend to its own tokens alone: it fails, never silently wrong."""
+    dma_compile.hf.register(FP8, impl="reference")
+    dma = causal_lm("llama", "dma", seed)
+    ids = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(seed))
+    cache = dma_compile.hf.DMACache(dma, FP8, max_cache_len=96)
+    cache.early_initialization(1, 2, 32, torch.float32, torch.device("cpu"))
+    torch._dynamo.reset()
+    forward = torch.compile(dma.forward, backend="aot_eager", dynamic=False)
+    try:
+        with torch.no_grad():
+            forward(ids[:, :40], **dma_compile.hf.cache_kwargs(dma, cache), use_cache=True)
+            with pytest.raises(RuntimeError, match="start at position 0"):
+                forward(ids[:, 40:], **dma_compile.hf.cache_kwargs(dma, cache), use_cache=True)
+    finally:
+        torch._dynamo.reset()
