@@ -10,6 +10,10 @@ functions, so the numbers are those `dma-compile compare` would print.
     export DMA_COMPILE_CACHE=/work/dma-cache
     python benchmarks/rotation_accuracy.py --windows 2 --window-len 1024
     python benchmarks/rotation_accuracy.py --policies all_mxfp4,paper --skip-windows 4   # 4 other windows
+    python benchmarks/rotation_accuracy.py --balance      # every policy with balance_qk as well
+
+`--balance` adds, for every policy and rotation, the same policy with
+`balance_qk` (Q and K balanced per channel before MX quantization).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main(argv=None) -> int:
                         help="start after this many windows of the held-out part (another sample of the text)")
     parser.add_argument("--policies", default="all_mxfp4,paper,hopper", help=f"comma-separated, of {list(POLICIES)}")
     parser.add_argument("--rotations", default=",".join(ROTATIONS), help=f"comma-separated, of {list(ROTATIONS)}")
+    parser.add_argument("--balance", action="store_true", help="also each policy with balance_qk")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args(argv)
     names = args.policies.split(",")
@@ -74,16 +79,18 @@ def main(argv=None) -> int:
         base = perplexity(model, windows)
     print(f"sdpa: {base:.4f} ({time.time() - start:.0f} s)", flush=True)
     rows, results = [], {"sdpa": base, "windows": list(windows.shape)}
-    for name in names:
-        row = [name]
+    variants = [(name, False) for name in names] + ([(name, True) for name in names] if args.balance else [])
+    for name, balance in variants:
+        label = f"{name}, balanced" if balance else name
+        row = [label]
         for rot in rotations:
-            policy = POLICIES[name].replace(rotate=rot)
+            policy = POLICIES[name].replace(rotate=rot, balance_qk=balance)
             start = time.time()
             with running_policy(model, ModelPolicy(policy)):
                 ppl = perplexity(model, windows)
-            results[f"{name} rotate={rot}"] = ppl
+            results[f"{label} rotate={rot}"] = ppl
             row.append(f"{ppl:.4f} ({100 * (ppl / base - 1):+.2f}%)")
-            print(f"{name} rotate={rot}: {ppl:.4f} ({100 * (ppl / base - 1):+.2f}%, {time.time() - start:.0f} s)",
+            print(f"{label} rotate={rot}: {ppl:.4f} ({100 * (ppl / base - 1):+.2f}%, {time.time() - start:.0f} s)",
                   flush=True)
         rows.append(row)
     print()

@@ -48,10 +48,11 @@ _KEYS = {
     "cache_v": "vcache",
     "recent_tokens": "recent",
     "rotate": "rot",
+    "balance_qk": "balance",
 }
 # Keys the string form leaves out at their default, so strings written before
 # the field existed still parse to the same policy and name it the same way.
-_OMITTED_AT_DEFAULT = {"rotate": "none"}
+_OMITTED_AT_DEFAULT = {"rotate": "none", "balance_qk": False}
 _FIELDS = {short: name for name, short in _KEYS.items()}
 
 
@@ -85,6 +86,12 @@ class AttentionPolicy:
     Q and K (after smoothing) are rotated along the head dimension before
     every MX quantization, prefill and KV cache alike; tiles in "none" use
     them unrotated (the scores are the same). Needs a power-of-two head_dim.
+
+    balance_qk: before MX quantization (and the rotation) the prefill
+    multiplies Q's channel j by a power of two and divides K's by it, per
+    batch and KV head, so that the two operands' channel ranges meet halfway
+    (`dma_compile.balancing`); scores are unchanged in exact
+    arithmetic. The KV cache's decode does not balance.
     """
 
     tile: int = 128
@@ -101,6 +108,7 @@ class AttentionPolicy:
     cache_v: str = "none"
     recent_tokens: int = 128
     rotate: str = "none"
+    balance_qk: bool = False
 
     def __post_init__(self) -> None:
         _choice("tile", self.tile, TILES)
@@ -117,6 +125,7 @@ class AttentionPolicy:
         _choice("cache_v", self.cache_v, CACHE_V_FORMATS)
         _int_at_least("AttentionPolicy.recent_tokens", self.recent_tokens, 0)
         _choice("rotate", self.rotate, ROTATIONS)
+        _choice("balance_qk", self.balance_qk, (True, False))
         # The string form travels with every op call: build it once.
         parts = []
         for name, short in _KEYS.items():
@@ -231,6 +240,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # samples of BENCHMARKS.md; the others gain nothing measurable from it.
     "paper_rotated": {"rotate": "signed_hadamard"},
     "all_mxfp4_rotated": {"hi": "mxfp4_e2m1", "lo": "mxfp4_e2m1", "rotate": "signed_hadamard"},
+    # The same with Q and K balanced per channel first: more accurate still
+    # (BENCHMARKS.md, 2026-12-06), at the cost of reading Q and K once more.
+    "paper_balanced": {"rotate": "signed_hadamard", "balance_qk": True},
+    "all_mxfp4_balanced": {"hi": "mxfp4_e2m1", "lo": "mxfp4_e2m1", "rotate": "signed_hadamard", "balance_qk": True},
 }
 # The fixed presets every comparison reports beside a calibrated policy, and
 # whose errors calibration records per layer, in the order they are reported.

@@ -14,6 +14,7 @@ import math
 import torch
 
 from dma_compile import cache_formats
+from dma_compile.balancing import balance_exponents, balanced_operands, counted_queries
 from dma_compile.formats import E4M3, fake_quantize, rceil_exponent, round_to_element
 from dma_compile.policy import AttentionPolicy
 from dma_compile.rotation import rotate
@@ -221,13 +222,21 @@ def dma_attention_reference(
     counted = counted_keys(attn_mask, is_causal, b, hkv, lq, lk, q.device)
     kc = smoothed_keys(k, policy, counted, compute_dtype)
     qc = q.to(compute_dtype)
+    q_mx, k_mx = qc, kc
+    if policy.balance_qk and policy.uses_mx:
+        q_counted = counted_queries(counted, lq, lk, diagonal_offset(lq, lk, is_causal))
+        exponents = balance_exponents(qc, kc, counted, q_counted)
+        q_mx, k_mx = balanced_operands(qc, kc, exponents)
 
     # Scores of each format used, then pick per tile.
     group = hq // hkv
     high = score_is_high(lq, lk, policy, is_causal, q.device)
     scores = None
     for fmt in policy.formats:
-        s = format_scores(qc, kc, fmt, policy, scale, input_dtype, k.dtype)
+        if fmt == "none":
+            s = format_scores(qc, kc, fmt, policy, scale, input_dtype, k.dtype)
+        else:
+            s = format_scores(q_mx, k_mx, fmt, policy, scale, input_dtype, k.dtype)
         if scores is None:
             scores = s
         else:

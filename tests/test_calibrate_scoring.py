@@ -15,14 +15,17 @@ from test_calibrate import tiny_model, tiny_text, tiny_tokenizer
 
 
 def test_scorer_output_equals_reference(seed):
-    # Awkward shapes: 300 tokens (not a multiple of the tile), GQA 4/2, shifted K.
-    q = (torch.randn(1, 4, 300, 64) * 2).bfloat16()
+    # Awkward shapes: 300 tokens (not a multiple of the tile), GQA 4/2, shifted K,
+    # channels of Q scaled apart (balancing has something to do).
+    q = (torch.randn(1, 4, 300, 64) * 2 * torch.exp2(torch.randint(-3, 4, (64,)).float())).bfloat16()
     k = (torch.randn(1, 2, 300, 64) * 2 + torch.randn(1, 2, 1, 64)).bfloat16()
     v = torch.randn(1, 2, 300, 64).bfloat16()
     scorer = LayerScorer([(q, k, v, None)])
     rng = random.Random(seed)
     policies = rng.sample(candidate_policies("sm100"), 4) + rng.sample(candidate_policies("sm90"), 4)
-    for policy in policies + [AttentionPolicy.paper(), AttentionPolicy.hopper()]:
+    balanced = [AttentionPolicy.preset("paper_balanced"), AttentionPolicy.preset("all_mxfp4_balanced"),
+                AttentionPolicy.hopper().replace(balance_qk=True)]
+    for policy in policies + [AttentionPolicy.paper(), AttentionPolicy.hopper()] + balanced:
         expected = dma_attention_reference(q, k, v, is_causal=True, policy=policy)
         assert torch.equal(scorer.output(0, policy), expected), policy.to_string()
 
@@ -37,7 +40,8 @@ def test_scorer_equals_reference_on_captured_layers(seed):
     for layer in range(3):
         (q, k, v, scale), = captured[layer]
         scorer = LayerScorer(captured[layer])
-        for policy in rng.sample(candidate_policies("sm100") + candidate_policies("sm90"), 3):
+        twins = [p for p in candidate_policies("sm100", head_dim=q.shape[-1]) if p.balance_qk]
+        for policy in rng.sample(candidate_policies("sm100") + candidate_policies("sm90"), 3) + rng.sample(twins, 1):
             expected = dma_attention_reference(q, k, v, is_causal=True, scale=scale, policy=policy)
             assert torch.equal(scorer.output(0, policy), expected), (layer, policy.to_string())
 

@@ -21,7 +21,7 @@ LAYERS = [
     ["ops", "ops_decode"],
     ["validate", "kernels"],
     ["reference", "cache_formats"],
-    ["policy", "formats", "rotation"],
+    ["policy", "formats", "rotation", "balancing"],
 ]
 
 

@@ -32,7 +32,7 @@ def _token_pass(d: int, rotate: bool, capability: int, rotating_blocks: bool = F
     args = dict(X=x, sx_b=4096 * d, sx_h=4096 * d, sx_l=d, sx_d=1, MEAN=f32, NONE_OUT=x, OUT1=u8, EXPS1=i32,
                 SCALES1=f32, OUT2=u8, EXPS2=i32, SCALES2=f32, SIGNS=f32, H=32, L=16384, D=d, BLOCK_T=_token_block(d, rotate or rotating_blocks),
                 SMOOTH=True, WRITE_NONE=False, FMT1=1, FMT2=3, FOLDED=True, RCEIL=True, POW2=True, HW_CVT=True,
-                ROTATE=rotate, INV_SQRT_D=inverse_sqrt_constant(d))
+                SIGNS_BH=0, ROTATE=rotate, PRESCALE=False, INV_SQRT_D=inverse_sqrt_constant(d))
     return compile_for_target(_quantize_tokens_kernel, args, capability, 4, 3)
 
 
@@ -46,7 +46,7 @@ def _payload_pass(d: int, rotate: bool, capability: int):
     x, f32, u8 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1), torch.empty(1, dtype=torch.uint8)
     args = dict(X=x, sx_b=4096 * d, sx_h=4096 * d, sx_l=d, sx_d=1, MEAN=f32, NONE_OUT=x, PAYLOAD1=u8, SCALES1=u8,
                 PAYLOAD2=u8, SCALES2=u8, SIGNS=f32, H=32, L=16384, D=d, BLOCK_T=max(8, 2048 // d), SMOOTH=True,
-                WRITE_NONE=True, FMT1=1, FMT2=3, RCEIL=True, HW_CVT=True, ROTATE=rotate,
+                WRITE_NONE=True, FMT1=1, FMT2=3, RCEIL=True, HW_CVT=True, SIGNS_BH=0, ROTATE=rotate, PRESCALE=False,
                 INV_SQRT_D=inverse_sqrt_constant(d))
     return compile_for_target(_mx_payload_kernel, args, capability, 4, 3)
 

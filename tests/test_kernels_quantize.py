@@ -239,6 +239,36 @@ def test_rotated_tokens_match_formats(device, kind, mode, d, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["none", "signed_hadamard"])
+@pytest.mark.parametrize("mode", ["folded", "exact"])
+def test_balanced_tokens_match_formats(device, kind, mode, seed):
+    """With balancing factors (powers of two per batch, head and channel) the
+    pass quantizes rotate(smoothed x * factors), bit for bit; the "none"
+    output stays unscaled. Per-head factors differ, so a pass that indexed
+    them wrongly would not match."""
+    from dma_compile.rotation import rotate
+
+    shape = (2, 3, 77, 64) if device == "cpu" else (2, 8, 3000, 128)
+    x = tailed(shape, torch.bfloat16, device)
+    mean = (torch.randn(shape[0], shape[1], shape[3]) * 3).to(device)
+    factors = torch.exp2(torch.randint(-5, 6, (shape[0], shape[1], shape[3])).float()).to(device)
+    fmts = ("mxfp8_e4m3", "mxfp4_e2m1")
+    got = on_cpu(_q().quantize_tokens(x, fmts, mode, "rceil", mean=mean, write_none=True, pow2_scales=True,
+                                      rotate=kind, balance=factors))
+    smoothed = x.cpu().float() - mean.cpu().unsqueeze(-2)
+    assert same(got["none"][0], smoothed.to(torch.bfloat16)), f"seed {seed}"
+    scaled = rotate(smoothed * factors.cpu().unsqueeze(-2), kind)
+    for fmt in fmts:
+        mx = formats.quantize_mx(scaled, fmt)
+        if mode == "folded":
+            elements, exponents = formats.fold_mx(mx)
+            assert same(got[fmt][0], elements), f"seed {seed} {fmt} payload"
+            assert torch.equal(got[fmt][1], exponents), f"seed {seed} {fmt} exponents"
+        else:
+            assert same(got[fmt][0], mx.dequantize().to(torch.bfloat16)), f"seed {seed} {fmt}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_statistics_launch_quantizes_rotated_queries(device, seed):
     """Q's rotated plan carried out by the statistics launch equals its own launch."""
     kshape, qshape = ((1, 2, 150, 64), (1, 4, 41, 64)) if device == "cpu" else ((2, 4, 5000, 128), (2, 8, 3001, 128))

@@ -116,6 +116,27 @@ def test_formats_match_reference_fp32(seed, hi, lo, changes, shape, causal):
     _assert_discriminates(q, k, v, None, causal, policy, ref, FP32_TOL)
 
 
+@pytest.mark.parametrize("changes,mode", [({}, "exact"), ({"rotate": "signed_hadamard"}, "exact"),
+                                          ({"rotate": "hadamard"}, "folded")])
+def test_balanced_matches_reference(seed, changes, mode):
+    """AttentionPolicy.balance_qk on Q and K whose channels differ by powers
+    of two (as real models' do), with GQA, a causal padding mask and tails:
+    the kernel equals the reference, and the unbalanced reference differs."""
+    q, k, v = _qkv(2, 4, 2, 70, 70, 64)
+    q = q * torch.exp2(torch.randint(-6, 7, (64,), device=DEVICE).float())
+    k = k * torch.exp2(torch.randint(-6, 7, (64,), device=DEVICE).float())
+    mask = torch.ones(70, 70, dtype=torch.bool, device=DEVICE).tril().expand(2, 1, 70, 70).clone()
+    mask[1, :, :, :9] = False
+    policy = AttentionPolicy(tile=32, mx_mode=mode, balance_qk=True, **changes)
+    out = attention_sm100(q, k, v, mask, False, None, policy)
+    ref = _reference(q, k, v, mask, False, None, policy)
+    # Scores up to 2^12 times those of the other tests: fp32 accumulation order shows more.
+    tol = 10 * FP32_TOL
+    assert _max_error(out, ref) < tol, f"seed {seed}"
+    unbalanced = _reference(q, k, v, mask, False, None, policy.replace(balance_qk=False))
+    assert _max_error(unbalanced, ref) > 10 * tol
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4_e2m1", "none"])
 def test_one_class_matches_reference(seed, fmt):
     """hi == lo: one loop over all keys; "none" everywhere is exact attention.
@@ -272,6 +293,24 @@ def test_rotated_payloads_are_formats_quantize_mx(seed, fmt, kind):
     assert torch.equal(got[fmt].payload, want.payload.view(torch.uint8)), f"seed {seed}"
     assert not torch.equal(want.scales, quantize_mx(smoothed, fmt).scales)
     torch.testing.assert_close(got["none"], smoothed.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["none", "hadamard"])
+def test_balanced_payloads_are_formats_quantize_mx(seed, kind):
+    """With balancing factors the payload pass quantizes rotate(smoothed x *
+    factors) bit for bit, per (batch, head); "none" stays unscaled."""
+    from dma_compile.rotation import rotate
+
+    x = _randn(2, 3, 45, 64, scale=4.0).to(torch.bfloat16)
+    mean = torch.randn(2, 3, 64, device=DEVICE)
+    factors = torch.exp2(torch.randint(-5, 6, (2, 3, 64), device=DEVICE).float())
+    smoothed = x.float() - mean[:, :, None]
+    got = quantize_payloads(x, ("mxfp4_e2m1",), "rceil", mean=mean, write_none=True, rotate=kind, balance=factors)
+    want = quantize_mx(rotate(smoothed * factors[:, :, None], kind), "mxfp4_e2m1")
+    assert torch.equal(got["mxfp4_e2m1"].scales, want.scales), f"seed {seed}"
+    assert torch.equal(got["mxfp4_e2m1"].payload, want.payload.view(torch.uint8)), f"seed {seed}"
+    assert not torch.equal(want.scales, quantize_mx(rotate(smoothed, kind), "mxfp4_e2m1").scales)
+    torch.testing.assert_close(got["none"], smoothed.to(torch.bfloat16), rtol=0, atol=0)
 
 
 def test_unsupported_and_bad_blocks():

@@ -57,6 +57,9 @@ class Case:
     b: int = 1
     dtype: torch.dtype = torch.bfloat16
     expanded_kv: bool = False
+    # Q's and K's channels scaled by different powers of two, as real models'
+    # are: what balancing (AttentionPolicy.balance_qk) acts on.
+    channels: bool = False
     # A policy whose reference must NOT match: proves the comparison can fail.
     other: AttentionPolicy | None = field(default=None)
 
@@ -93,6 +96,9 @@ def inputs(case, device, scale_up=1):
     # An offset on K: smoothing has something to remove.
     k = (torch.randn(b, hkv, lk, case.d, device=device) + 0.5).to(case.dtype)
     v = torch.randn(b, hkv, lk, dv, device=device).to(case.dtype)
+    if case.channels:
+        q = q * torch.exp2(torch.randint(-6, 7, (case.d,), device=device)).to(case.dtype)
+        k = k * torch.exp2(torch.randint(-6, 7, (case.d,), device=device)).to(case.dtype)
     if case.expanded_kv:  # a single KV head expanded to all query heads with stride 0
         k, v = k[:, :1].expand(b, hq, lk, case.d), v[:, :1].expand(b, hq, lk, dv)
     mask = make_mask(case.mask, b, hq, lq, lk, case.dtype, device)
@@ -171,6 +177,15 @@ CASES = [
     Case("hopper_signed_fp8pv", small(HOPPER).replace(rotate="signed_hadamard", pv="fp8"), 60, 60, causal=True),
     Case("e5m2_hadamard_lq_gt_lk", small(PAPER_FOLDED).replace(hi="mxfp8_e5m2", rotate="hadamard"), 90, 40,
          other=small(PAPER_FOLDED).replace(hi="mxfp8_e5m2")),
+    # Balanced Q and K (AttentionPolicy.balance_qk): unbalanced must not match.
+    Case("paper_folded_balanced_padded_gqa", small(PAPER_FOLDED).replace(balance_qk=True), 60, 60,
+         mask="padded_causal", b=2, hq=4, hkv=2, channels=True),
+    Case("all_mxfp4_balanced_signed_lq_lt_lk", small(ALL_MXFP4).replace(balance_qk=True, rotate="signed_hadamard"),
+         40, 90, channels=True, other=small(ALL_MXFP4).replace(rotate="signed_hadamard")),
+    Case("paper_exact_balanced_causal_d128", small(PAPER_EXACT).replace(balance_qk=True), 70, 70, causal=True,
+         d=128, channels=True),
+    Case("hopper_balanced_fp8pv_causal", small(HOPPER).replace(balance_qk=True, pv="fp8"), 70, 70, causal=True,
+         channels=True),
 ]
 
 

@@ -217,3 +217,17 @@ def test_rotated_presets():
     # The unrotated presets and the device defaults stay as they were.
     assert all(AttentionPolicy.preset(n).rotate == "none" for n in ("paper", "hopper", "all_mxfp8", "all_mxfp4"))
     assert default_policy("cpu").rotate == "none"
+
+
+def test_balance_field_validated_and_left_out_of_old_strings():
+    """balance_qk defaults to off and stays out of the string form there, so
+    strings written before the field name the same policy; on, it round-trips."""
+    assert AttentionPolicy().balance_qk is False
+    assert "balance" not in AttentionPolicy.hopper().to_string()
+    p = AttentionPolicy.paper().replace(rotate="signed_hadamard", balance_qk=True)
+    assert p.to_string().endswith(",rot=signed_hadamard,balance=1")
+    assert AttentionPolicy.from_string(p.to_string()) == p
+    with pytest.raises(ValueError, match="balance_qk must be one of"):
+        AttentionPolicy(balance_qk="yes")
+    with pytest.raises(ValueError, match="balance must be 0 or 1"):
+        AttentionPolicy.from_string("balance=2")

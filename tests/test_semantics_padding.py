@@ -21,7 +21,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 IMPLS = ["reference", "sm90", "sm100"]
 HOPPER = AttentionPolicy.preset("hopper_input_pv").replace(tile=32)
-POLICIES = {"hopper": HOPPER, "paper_folded_fp8pv": AttentionPolicy(tile=32, mx_mode="folded", pv="fp8")}
+POLICIES = {"hopper": HOPPER, "paper_folded_fp8pv": AttentionPolicy(tile=32, mx_mode="folded", pv="fp8"),
+            # Balancing reads Q's channel maxima: pad rows must not enter them.
+            "paper_balanced_rotated": AttentionPolicy(tile=32, mx_mode="folded", rotate="signed_hadamard",
+                                                      balance_qk=True)}
 LENGTHS = (40, 29)
 
 

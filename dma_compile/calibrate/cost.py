@@ -39,11 +39,13 @@ HI_FORMATS = ("none", "mxfp8_e4m3")
 LO_FORMATS = ("mxfp8_e4m3", "mxfp4_e2m1")
 DIAG_TILES = (1, 2, 4, 8)
 SINK_TILES = (0, 1, 2)
-# Rotation spreads outlier channels over MX blocks; it pays where the low
-# format is MXFP4 (BENCHMARKS.md, rotation), so only those candidates get a
-# rotated twin. Its cost (a step of the quantization pass) is not a tile cost.
+# Rotation spreads outlier channels over MX blocks, and balancing Q against K
+# first helps it further; both pay where the low format is MXFP4
+# (BENCHMARKS.md, rotation and Q/K balancing), so only those candidates get a
+# twin with both. Their cost (steps of the quantization pass) is not a tile cost.
 ROTATED_LOW_FORMATS = ("mxfp4_e2m1",)
 ROTATION = "signed_hadamard"
+TWIN = {"rotate": ROTATION, "balance_qk": True}
 DEFAULT_COST_LEN = 2048
 
 
@@ -70,15 +72,15 @@ def candidate_policies(target: str = "auto", head_dim: int | None = None) -> lis
     DIAG_TILES, sink in SINK_TILES, pv in PV_MODES (a policy whose hi and lo
     are one format has no use for diag and sink and appears once); with a
     power-of-two `head_dim`, each candidate whose lo is in ROTATED_LOW_FORMATS
-    also rotated by ROTATION."""
+    also with TWIN (rotated by ROTATION, Q and K balanced)."""
     base = base_policy(target)
-    rotations = ("none", ROTATION) if head_dim is not None and is_power_of_two(head_dim) else ("none",)
+    twins = ({}, TWIN) if head_dim is not None and is_power_of_two(head_dim) else ({},)
     seen: dict[str, AttentionPolicy] = {}
     for hi, lo, diag, sink, pv in itertools.product(HI_FORMATS, LO_FORMATS, DIAG_TILES, SINK_TILES, PV_MODES):
         if hi == lo:
             diag, sink = 1, 0
-        for rotate in rotations if lo in ROTATED_LOW_FORMATS else ("none",):
-            policy = base.replace(hi=hi, lo=lo, diag_tiles=diag, sink_tiles=sink, pv=pv, rotate=rotate)
+        for twin in twins if lo in ROTATED_LOW_FORMATS else ({},):
+            policy = base.replace(hi=hi, lo=lo, diag_tiles=diag, sink_tiles=sink, pv=pv, **twin)
             seen.setdefault(policy.to_string(), policy)
     return list(seen.values())
 

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from dma_compile.balancing import balance_exponents, balanced_operands
 from dma_compile.policy import AttentionPolicy
 from dma_compile.reference import (
     P_FP8_SCALE,
@@ -57,12 +58,16 @@ class LayerScorer:
         return out.to(q.dtype).float()
 
     def _format_scores(self, index: int, fmt: str, policy: AttentionPolicy) -> torch.Tensor:
-        key = (index, fmt, policy.scale_rule, policy.mx_mode, policy.smooth_k, policy.rotate)
+        balanced = policy.balance_qk and fmt != "none"
+        key = (index, fmt, policy.scale_rule, policy.mx_mode, policy.smooth_k, policy.rotate, balanced)
         if key not in self._scores:
             q, k, _, scale = self.windows[index]
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            kc = smoothed_keys(k, policy, None, torch.float32)
-            scores = format_scores(q.float(), kc, fmt, policy, scale, q.dtype, k.dtype)
+            qc, kc = q.float(), smoothed_keys(k, policy, None, torch.float32)
+            if balanced:
+                # Causal windows without padding: every key and query row counts.
+                qc, kc = balanced_operands(qc, kc, balance_exponents(qc, kc, None, None))
+            scores = format_scores(qc, kc, fmt, policy, scale, q.dtype, k.dtype)
             # Masked once here rather than per candidate (the reference selects -inf there: the same values).
             lq, lk = scores.shape[-2:]
             future = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).triu(1)

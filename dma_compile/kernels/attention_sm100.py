@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels import Unsupported
+from dma_compile.kernels.balance import balance_factors
 from dma_compile.kernels.codes import (
     KIND_16BIT,
     KIND_FOLDED,
@@ -345,24 +346,26 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _class_operands(q, k, key_mean, policy: AttentionPolicy) -> dict[str, _ClassOperands]:
-    """Q and K of every format the policy uses, from one quantization pass each."""
+def _class_operands(q, k, key_mean, policy: AttentionPolicy, balance=(None, None)) -> dict[str, _ClassOperands]:
+    """Q and K of every format the policy uses, from one quantization pass
+    each; balance: Q's and K's balancing factors (`balance.balance_factors`) or Nones."""
     mx = tuple(f for f in policy.formats if f != "none")
+    q_balance, k_balance = balance
     smoothed_none = "none" in policy.formats and key_mean is not None
     ops: dict[str, _ClassOperands] = {}
     if policy.mx_mode == "folded":
-        q_mx = quantize_tokens(q, mx, "folded", policy.scale_rule, rotate=policy.rotate)
+        q_mx = quantize_tokens(q, mx, "folded", policy.scale_rule, rotate=policy.rotate, balance=q_balance)
         k_mx = quantize_tokens(k, mx, "folded", policy.scale_rule, mean=key_mean, write_none=smoothed_none,
-                               rotate=policy.rotate)
+                               rotate=policy.rotate, balance=k_balance)
         for f in mx:
             # As bytes: a masked load from an fp8 pointer takes no fill value.
             ops[f] = _ClassOperands(KIND_FOLDED.value, "e4m3", q_mx[f].values.view(torch.uint8), q_mx[f].exponents,
                                     k_mx[f].values.view(torch.uint8), k_mx[f].exponents)
         k_none = k_mx["none"].values if smoothed_none else None
     else:
-        q_mx = quantize_payloads(q, mx, policy.scale_rule, rotate=policy.rotate)
+        q_mx = quantize_payloads(q, mx, policy.scale_rule, rotate=policy.rotate, balance=q_balance)
         k_mx = quantize_payloads(k, mx, policy.scale_rule, mean=key_mean, write_none=smoothed_none,
-                                 rotate=policy.rotate)
+                                 rotate=policy.rotate, balance=k_balance)
         for f in mx:
             ops[f] = _ClassOperands(KIND_MX.value, DOT_SCALED_FORMAT[f], q_mx[f].payload, q_mx[f].scales,
                                     k_mx[f].payload, k_mx[f].scales)
@@ -484,7 +487,10 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
     key_keep, key_limit = counted_key_arguments(info, is_causal, lq, lk, k.shape[1])
     stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=policy.pv == "fp8",
                           key_keep=key_keep, key_limit=key_limit)
-    ops = _class_operands(q, k, stats.key_mean, policy)
+    balance = (None, None)
+    if policy.balance_qk and policy.uses_mx:
+        balance = balance_factors(q, k, policy, is_causal, key_keep, key_limit)
+    ops = _class_operands(q, k, stats.key_mean, policy, balance)
     if policy.pv == "fp8":
         v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)
         # Stored (B, H, Dv, L_pad): the keys are the contiguous dimension.

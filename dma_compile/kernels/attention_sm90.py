@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dma_compile.kernels import Unsupported, launch
+from dma_compile.kernels.balance import balance_factors
 from dma_compile.kernels.codes import (
     KIND_16BIT,
     KIND_FOLDED,
@@ -412,6 +413,7 @@ FEWEST_LAUNCHES_BELOW = 2**24
 
 def quantize_inputs(
     q, k, v, policy: AttentionPolicy, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
+    is_causal: bool = False,
 ) -> QuantizedInputs:
     """The quantization pass: K's (and V's) statistics and Q, then K (and V),
     in the kernel's layouts, in three launches (five for large calls with
@@ -419,9 +421,15 @@ def quantize_inputs(
 
     k and v must already have their stride-0 heads collapsed (`schedule.collapse_expanded_heads`).
     key_keep, key_limit: the keys that count (`masks.counted_key_arguments`; default all).
+    is_causal: the call's flag, which places each query row's own key for a
+    balancing policy (`balance.balance_factors`, torch operations before the launches).
     """
     mx_formats = tuple(f for f in policy.formats if f != "none")
-    q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True, rotate=policy.rotate)
+    q_balance = k_balance = None
+    if policy.balance_qk and mx_formats:
+        q_balance, k_balance = balance_factors(q, k, policy, is_causal, key_keep, key_limit)
+    q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True, rotate=policy.rotate,
+                         balance=q_balance)
     fp8_pv = policy.pv == "fp8"
     fewest_launches = not fp8_pv or k.numel() + v.numel() < FEWEST_LAUNCHES_BELOW
     if not fewest_launches:
@@ -430,7 +438,7 @@ def quantize_inputs(
                           alongside=q_plan if fewest_launches else None, key_keep=key_keep, key_limit=key_limit)
     smoothed_none = "none" in policy.formats and stats.key_mean is not None
     k_plan = plan_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
-                         write_none=smoothed_none, pow2_scales=True, rotate=policy.rotate)
+                         write_none=smoothed_none, pow2_scales=True, rotate=policy.rotate, balance=k_balance)
     if not fp8_pv:
         launch_tokens(k_plan)
         v_op = v
@@ -607,7 +615,7 @@ def _attention(q, k, v, attn_mask, is_causal: bool, scale: float | None, policy:
     hk, lk = k.shape[1], k.shape[2]
     shape = (b, hq, hk, lq, lk, d, v.shape[-1])
     info = classify_mask(attn_mask, b, hq, lq, lk) if attn_mask is not None else None
-    qi = quantize_inputs(q, k, v, policy, *counted_key_arguments(info, is_causal, lq, lk, hk))
+    qi = quantize_inputs(q, k, v, policy, *counted_key_arguments(info, is_causal, lq, lk, hk), is_causal=is_causal)
     return attention_from_quantized(qi, shape, attn_mask, is_causal, scale, policy, config, info)
 
 

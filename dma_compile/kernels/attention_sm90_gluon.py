@@ -680,7 +680,8 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
     LIMITS["sm90_gluon"].check(q, v, scale)
     k, v = collapse_expanded_heads(k, v)
     shape = (b, hq, k.shape[1], lq, k.shape[2], d, v.shape[-1])
-    return gluon_attention_from_quantized(quantize_inputs(q, k, v, policy), shape, is_causal, scale, policy, **variant)
+    qi = quantize_inputs(q, k, v, policy, is_causal=is_causal)
+    return gluon_attention_from_quantized(qi, shape, is_causal, scale, policy, **variant)
 
 
 def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, policy: AttentionPolicy,

@@ -97,6 +97,29 @@ def inverse_sqrt_constant(d: int) -> float:
     return float(inverse_sqrt(d))
 
 
+def transform_arguments(x: torch.Tensor, kind: str, balance: torch.Tensor | None = None) -> dict:
+    """The token passes' arguments for what x (B, H, L, D) undergoes before
+    MX quantization: SIGNS and SIGNS_BH, a vector per (batch, head) at
+    SIGNS + (b * H + h) * SIGNS_BH (stride 0: one vector for all), which
+    multiplies x first; ROTATE, the butterfly after it (rotation.rotate);
+    PRESCALE, the multiply without a butterfly; INV_SQRT_D.
+
+    The vector is the rotation's signs, times `balance` (B, H, D), powers of
+    two, when given (`AttentionPolicy.balance_qk`): both are exact, so the
+    product equals scaling first and rotating after."""
+    d = x.shape[-1]
+    check_head_dim(d, kind)
+    rotating = kind != "none"
+    inv_sqrt_d = inverse_sqrt_constant(d) if rotating else 1.0
+    if balance is None:
+        signs = sign_vector(d, kind, x.device) if rotating else x
+        return dict(SIGNS=signs, SIGNS_BH=0, ROTATE=rotating, PRESCALE=False, INV_SQRT_D=inv_sqrt_d)
+    vectors = balance.reshape(-1, d).to(device=x.device, dtype=torch.float32)
+    if rotating:
+        vectors = vectors * sign_vector(d, kind, x.device)
+    return dict(SIGNS=vectors.contiguous(), SIGNS_BH=d, ROTATE=rotating, PRESCALE=not rotating, INV_SQRT_D=inv_sqrt_d)
+
+
 def rotation_arguments(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, bool, float]:
     """(SIGNS, ROTATE, INV_SQRT_D) kernel arguments of the passes for x (..., D)."""
     d = x.shape[-1]

@@ -17,7 +17,9 @@ kernel reads, in its layout (docs/semantics.md gives the math):
 With a rotating policy (`AttentionPolicy.rotate`), Q and K are rotated along
 D (kernels/hadamard.py: a float32 butterfly in registers, bit-identical to
 `dma_compile.rotation`) after smoothing and before every MX format; the
-format-"none" output stays unrotated.
+format-"none" output stays unrotated. A balancing policy
+(`AttentionPolicy.balance_qk`) multiplies them first by a power of two per
+(batch, head) and channel, folded into the rotation's sign vector.
 
 K's mean over keys (smoothing) and V's per-channel amax, over the finite
 values of the keys that count (docs/semantics.md; `key_keep`, `key_limit`),
@@ -61,7 +63,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels.codes import FMT_NONE, mx_format_slots
-from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
+from dma_compile.kernels.hadamard import rotate_rows, transform_arguments
 from dma_compile.kernels.launch import cdiv, launch, zeros
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -109,12 +111,12 @@ def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, SCALES, out_offs, row_offs
 def _quantize_token_block(
     pid_t, pid_bh,
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS,
+    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
-    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, PRESCALE: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     """Block pid_t of BLOCK_T whole tokens of (batch, head) pid_bh: each thread
     loads 16-byte runs along D (contiguous when sx_d is 1, which Triton
@@ -140,7 +142,9 @@ def _quantize_token_block(
     if ROTATE:
         # 64 tokens or more (`_token_block`) fill the 4 warps' 16 token rows
         # each, so each thread holds half of every block of its token.
-        x = rotate_rows(x, tl.load(SIGNS + (d + t * 0)), D, INV_SQRT_D, BLOCK_T >= 64)
+        x = rotate_rows(x, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0)), D, INV_SQRT_D, BLOCK_T >= 64)
+    elif PRESCALE:
+        x = x * tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0))
     if FMT1 != FMT_NONE:
         amax, bad = block_amax(x)
         _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, SCALES1, out_offs, row_offs,
@@ -153,17 +157,17 @@ def _quantize_token_block(
 @triton.jit
 def _quantize_tokens_kernel(
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS,
+    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
-    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, PRESCALE: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     _quantize_token_block(
         tl.program_id(0), tl.program_id(1), X, sx_b, sx_h, sx_l, sx_d,
-        MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, H, L,
-        D, BLOCK_T, SMOOTH, WRITE_NONE, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, INV_SQRT_D)
+        MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH, H, L,
+        D, BLOCK_T, SMOOTH, WRITE_NONE, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, PRESCALE, INV_SQRT_D)
 
 
 @triton.jit
@@ -275,12 +279,12 @@ def _kv_stats_kernel(
     K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
     KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, N_STATS,
     DONE, MEAN, VEXP, VSCALE,
-    X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX, N_TOKEN_BLOCKS,
+    X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH, HX, LX, N_TOKEN_BLOCKS,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr, FIN_CHUNKS: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
     DX: tl.constexpr, BLOCK_T: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
-    ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    ROTATE: tl.constexpr, PRESCALE: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     """The statistics chunks (the first N_STATS programs), then the token
     blocks of an independent tensor X (Q) to quantize, if any.
@@ -308,8 +312,8 @@ def _kv_stats_kernel(
         t = pid - N_STATS
         _quantize_token_block(
             t % N_TOKEN_BLOCKS, t // N_TOKEN_BLOCKS, X, sx_b, sx_h, sx_l, sx_d,
-            X, X, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, HX, LX,
-            DX, BLOCK_T, False, False, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, INV_SQRT_D)
+            X, X, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH, HX, LX,
+            DX, BLOCK_T, False, False, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, PRESCALE, INV_SQRT_D)
 
 
 @triton.jit
@@ -348,12 +352,12 @@ def _quantize_v_block(
 
 @triton.jit
 def _quantize_kv_kernel(
-    X, sx_b, sx_h, sx_l, sx_d, MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS,
+    X, sx_b, sx_h, sx_l, sx_d, MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH,
     H, L, N_TOKEN_BLOCKS, N_TOKEN_PROGRAMS,
     V, sv_b, sv_h, sv_l, sv_d, VEXP, VT, KEEP, skp_b, skp_h, HV, LV, L_COUNTED, L_PAD, N_V_BLOCKS,
     D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
-    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    HW_CVT: tl.constexpr, ROTATE: tl.constexpr, PRESCALE: tl.constexpr, INV_SQRT_D: tl.constexpr,
     DV: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEEP: tl.constexpr,
 ):
     """The token blocks of X (K: smoothed, quantized; the first
@@ -363,8 +367,8 @@ def _quantize_kv_kernel(
     if pid < N_TOKEN_PROGRAMS:
         _quantize_token_block(
             pid % N_TOKEN_BLOCKS, pid // N_TOKEN_BLOCKS, X, sx_b, sx_h, sx_l, sx_d,
-            MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, H, L,
-            D, BLOCK_T, SMOOTH, WRITE_NONE, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, INV_SQRT_D)
+            MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH, H, L,
+            D, BLOCK_T, SMOOTH, WRITE_NONE, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, PRESCALE, INV_SQRT_D)
     else:
         t = pid - N_TOKEN_PROGRAMS
         _quantize_v_block(t % N_V_BLOCKS, t // N_V_BLOCKS, V, sv_b, sv_h, sv_l, sv_d, VEXP, VT, KEEP, skp_b, skp_h,
@@ -423,12 +427,14 @@ def plan_tokens(
     write_none: bool = False,
     pow2_scales: bool = False,
     rotate: str = "none",
+    balance: torch.Tensor | None = None,
 ) -> TokenPlan:
     """Allocate the outputs of `quantize_tokens` and the launch that fills them."""
     b, h, length, d = x.shape
     if d % 32 != 0 or d & (d - 1):
         raise ValueError(f"x: head_dim must be a power of two and a multiple of 32, got {d}")
-    signs, rotating, inv_sqrt_d = rotation_arguments(x, rotate)
+    transform = transform_arguments(x, rotate, balance)
+    rotating = transform["ROTATE"]
     mx, format_codes = mx_format_slots(formats)
     folded = mx_mode == "folded"
     pow2 = folded and pow2_scales
@@ -464,7 +470,7 @@ def plan_tokens(
         H=h, L=length, D=d, BLOCK_T=block_t, SMOOTH=smooth, WRITE_NONE=write_none,
         **format_codes,
         FOLDED=folded, RCEIL=scale_rule == "rceil", POW2=pow2, HW_CVT=HW_CVT,
-        SIGNS=signs, ROTATE=rotating and bool(mx), INV_SQRT_D=inv_sqrt_d,
+        **{**transform, "ROTATE": rotating and bool(mx), "PRESCALE": transform["PRESCALE"] and bool(mx)},
     )
     return plan
 
@@ -484,6 +490,7 @@ def quantize_tokens(
     write_none: bool = False,
     pow2_scales: bool = False,
     rotate: str = "none",
+    balance: torch.Tensor | None = None,
 ) -> dict[str, Operand]:
     """Quantize x (B, H, L, D) along D for each MX format in `formats`.
 
@@ -491,9 +498,11 @@ def quantize_tokens(
     return the (smoothed) values rounded to x's dtype under the key "none".
     pow2_scales: folded operands also get `Operand.scales`. rotate: the
     rotation (dma_compile.rotation) applied after smoothing, before the MX
-    formats (not to "none").
+    formats (not to "none"). balance: (B, H, D) powers of two multiplying
+    each (batch, head)'s channels before the rotation
+    (`AttentionPolicy.balance_qk`; MX formats only).
     """
-    plan = plan_tokens(x, formats, mx_mode, scale_rule, mean, write_none, pow2_scales, rotate)
+    plan = plan_tokens(x, formats, mx_mode, scale_rule, mean, write_none, pow2_scales, rotate, balance)
     launch_tokens(plan)
     return plan.operands
 
@@ -526,7 +535,8 @@ def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool) 
 
 
 _SHARED_TOKEN_ARGS = ("X", "sx_b", "sx_h", "sx_l", "sx_d", "OUT1", "EXPS1", "SCALES1", "OUT2", "EXPS2", "SCALES2",
-                      "BLOCK_T", "FMT1", "FMT2", "FOLDED", "RCEIL", "POW2", "SIGNS", "ROTATE", "INV_SQRT_D")
+                      "BLOCK_T", "FMT1", "FMT2", "FOLDED", "RCEIL", "POW2", "SIGNS", "SIGNS_BH", "ROTATE", "PRESCALE",
+                      "INV_SQRT_D")
 
 
 def _idle_token_args(placeholder: torch.Tensor) -> dict:
@@ -535,7 +545,8 @@ def _idle_token_args(placeholder: torch.Tensor) -> dict:
     p = placeholder
     return dict(X=p, sx_b=0, sx_h=0, sx_l=0, sx_d=0, MEAN=p, NONE_OUT=p, OUT1=p, EXPS1=p, SCALES1=p, OUT2=p,
                 EXPS2=p, SCALES2=p, H=1, L=1, D=32, BLOCK_T=8, SMOOTH=False, WRITE_NONE=False, FMT1=0, FMT2=0,
-                FOLDED=True, RCEIL=True, POW2=False, HW_CVT=HW_CVT, SIGNS=p, ROTATE=False, INV_SQRT_D=1.0)
+                FOLDED=True, RCEIL=True, POW2=False, HW_CVT=HW_CVT, SIGNS=p, SIGNS_BH=0, ROTATE=False, PRESCALE=False,
+                INV_SQRT_D=1.0)
 
 
 def _token_launch_args(plan: TokenPlan | None, placeholder: torch.Tensor) -> tuple[dict, int, int]:

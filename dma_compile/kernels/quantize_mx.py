@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_NONE, MX_FORMAT_CODES, mx_format_slots
-from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
+from dma_compile.kernels.hadamard import rotate_rows, transform_arguments
 from dma_compile.kernels.launch import cdiv
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -103,12 +103,12 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
 @triton.jit
 def _mx_payload_kernel(
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, PAYLOAD1, SCALES1, PAYLOAD2, SCALES2, SIGNS,
+    MEAN, NONE_OUT, PAYLOAD1, SCALES1, PAYLOAD2, SCALES2, SIGNS, SIGNS_BH,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr,
-    ROTATE: tl.constexpr, INV_SQRT_D: tl.constexpr,
+    ROTATE: tl.constexpr, PRESCALE: tl.constexpr, INV_SQRT_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -127,7 +127,9 @@ def _mx_payload_kernel(
         dst = NONE_OUT + (pid_bh.to(tl.int64) * L + t[:, None, None]) * D + d
         tl.store(dst, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
     if ROTATE:
-        x = rotate_rows(x, tl.load(SIGNS + (d + t[:, None, None] * 0)), D, INV_SQRT_D)
+        x = rotate_rows(x, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0)), D, INV_SQRT_D)
+    elif PRESCALE:
+        x = x * tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0))
     if FMT1 != FMT_NONE:
         _store_mx(x, PAYLOAD1, SCALES1, pid_bh, t, t_ok, L, D, FMT1, RCEIL)
     if FMT2 != FMT_NONE:
@@ -154,13 +156,16 @@ def quantize_payloads(
     mean: torch.Tensor | None = None,
     write_none: bool = False,
     rotate: str = "none",
+    balance: torch.Tensor | None = None,
 ) -> dict[str, MXPayload | torch.Tensor]:
     """MX payloads and scales of x (B, H, L, D) for each MX format in `formats`.
 
     mean: (B, H, D) float32 subtracted first (K smoothing). write_none: also
     return the (smoothed) values rounded to x's dtype, (B, H, L, D) contiguous,
     under the key "none". rotate: the rotation (dma_compile.rotation) of the
-    MX formats' input, after smoothing. One pass over x for up to two formats.
+    MX formats' input, after smoothing; balance: (B, H, D) powers of two
+    multiplying it before the rotation (`AttentionPolicy.balance_qk`). One
+    pass over x for up to two formats.
     """
     b, h, length, d = x.shape
     if d % 32 != 0 or d & (d - 1):
@@ -168,7 +173,7 @@ def quantize_payloads(
     mx, format_codes = mx_format_slots(formats)
     if not mx and not write_none:
         return {}
-    signs, rotating, inv_sqrt_d = rotation_arguments(x, rotate)
+    transform = transform_arguments(x, rotate, balance)
     result: dict[str, MXPayload | torch.Tensor] = {}
     outs = []
     for fmt in mx:
@@ -189,11 +194,12 @@ def quantize_payloads(
     _mx_payload_kernel[(cdiv(length, block_t), b * h)](
         x, *x.stride(),
         mean.contiguous() if mean is not None else x, none_out,
-        outs[0][0], outs[0][1], outs[1][0], outs[1][1], signs,
+        outs[0][0], outs[0][1], outs[1][0], outs[1][1], transform["SIGNS"], transform["SIGNS_BH"],
         h, length,
         D=d, BLOCK_T=block_t, SMOOTH=mean is not None, WRITE_NONE=write_none,
         **format_codes,
-        RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT, ROTATE=rotating and bool(mx), INV_SQRT_D=inv_sqrt_d,
+        RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT, ROTATE=transform["ROTATE"] and bool(mx),
+        PRESCALE=transform["PRESCALE"] and bool(mx), INV_SQRT_D=transform["INV_SQRT_D"],
         num_warps=4,
     )
     return result
