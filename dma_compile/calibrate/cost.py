@@ -39,13 +39,15 @@ HI_FORMATS = ("none", "mxfp8_e4m3")
 LO_FORMATS = ("mxfp8_e4m3", "mxfp4_e2m1")
 DIAG_TILES = (1, 2, 4, 8)
 SINK_TILES = (0, 1, 2)
-# Rotation spreads outlier channels over MX blocks, and balancing Q against K
-# first helps it further; both pay where the low format is MXFP4
-# (BENCHMARKS.md, rotation and Q/K balancing), so only those candidates get a
-# twin with both. Their cost (steps of the quantization pass) is not a tile cost.
+# Rotation spreads outlier channels over MX blocks; it pays where the low
+# format is MXFP4 (BENCHMARKS.md, rotation), so only those candidates get a
+# rotated twin. Its cost (a step of the quantization pass) is not a tile cost.
+# Twins that also balance Q and K calibrated to a worse model at the same
+# budget (BENCHMARKS.md, 2026-12-06): the layers' errors fell, the budget went
+# to cheaper tiles, and perplexity rose.
 ROTATED_LOW_FORMATS = ("mxfp4_e2m1",)
 ROTATION = "signed_hadamard"
-TWIN = {"rotate": ROTATION, "balance_qk": True}
+TWIN = {"rotate": ROTATION}
 DEFAULT_COST_LEN = 2048
 
 
@@ -72,7 +74,7 @@ def candidate_policies(target: str = "auto", head_dim: int | None = None) -> lis
     DIAG_TILES, sink in SINK_TILES, pv in PV_MODES (a policy whose hi and lo
     are one format has no use for diag and sink and appears once); with a
     power-of-two `head_dim`, each candidate whose lo is in ROTATED_LOW_FORMATS
-    also with TWIN (rotated by ROTATION, Q and K balanced)."""
+    also with TWIN (rotated by ROTATION)."""
     base = base_policy(target)
     twins = ({}, TWIN) if head_dim is not None and is_power_of_two(head_dim) else ({},)
     seen: dict[str, AttentionPolicy] = {}

@@ -6,9 +6,11 @@ from dma_compile.policy import AttentionPolicy, ModelPolicy
 
 
 def describe(policy: AttentionPolicy) -> str:
-    """Short human form: hi/lo, diag, sink, pv, and the rotation if any."""
+    """Short human form: hi/lo, diag, sink, pv, and the rotation and balancing if any."""
     short = {"none": "bf16", "mxfp8_e4m3": "mxfp8", "mxfp8_e5m2": "mxfp8e5", "mxfp4_e2m1": "mxfp4"}
     rotation = "" if policy.rotate == "none" else f", {policy.rotate.replace('_', ' ')}"
+    if policy.balance_qk:
+        rotation += ", balanced"
     if policy.hi == policy.lo:
         return f"{short[policy.hi]} all, pv {policy.pv}{rotation}"
     return f"{short[policy.hi]}/{short[policy.lo]} d{policy.diag_tiles} s{policy.sink_tiles}, pv {policy.pv}{rotation}"
