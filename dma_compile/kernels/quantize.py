@@ -111,7 +111,7 @@ def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, SCALES, out_offs, row_offs
 def _quantize_token_block(
     pid_t, pid_bh,
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH,
+    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH: tl.constexpr,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
@@ -157,7 +157,7 @@ def _quantize_token_block(
 @triton.jit
 def _quantize_tokens_kernel(
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH,
+    MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH: tl.constexpr,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
@@ -279,7 +279,8 @@ def _kv_stats_kernel(
     K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
     KSUM, KCNT, VMAX, KEEP, skp_b, skp_h, H, L, CHUNK, N_CHUNKS, N_STATS,
     DONE, MEAN, VEXP, VSCALE,
-    X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH, HX, LX, N_TOKEN_BLOCKS,
+    X, sx_b, sx_h, sx_l, sx_d, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH: tl.constexpr, HX, LX,
+    N_TOKEN_BLOCKS,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr, FIN_CHUNKS: tl.constexpr,
     NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
     DX: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -352,7 +353,7 @@ def _quantize_v_block(
 
 @triton.jit
 def _quantize_kv_kernel(
-    X, sx_b, sx_h, sx_l, sx_d, MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH,
+    X, sx_b, sx_h, sx_l, sx_d, MEAN, NONE_OUT, OUT1, EXPS1, SCALES1, OUT2, EXPS2, SCALES2, SIGNS, SIGNS_BH: tl.constexpr,
     H, L, N_TOKEN_BLOCKS, N_TOKEN_PROGRAMS,
     V, sv_b, sv_h, sv_l, sv_d, VEXP, VT, KEEP, skp_b, skp_h, HV, LV, L_COUNTED, L_PAD, N_V_BLOCKS,
     D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,

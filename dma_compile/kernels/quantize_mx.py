@@ -103,7 +103,7 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
 @triton.jit
 def _mx_payload_kernel(
     X, sx_b, sx_h, sx_l, sx_d,
-    MEAN, NONE_OUT, PAYLOAD1, SCALES1, PAYLOAD2, SCALES2, SIGNS, SIGNS_BH,
+    MEAN, NONE_OUT, PAYLOAD1, SCALES1, PAYLOAD2, SCALES2, SIGNS, SIGNS_BH: tl.constexpr,
     H, L,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
     SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
