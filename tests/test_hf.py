@@ -83,7 +83,8 @@ def test_decode_steps_go_straight_to_sdpa(seed, monkeypatch):
     monkeypatch.setattr(torch.ops.dma, "attention", lambda *args: calls.append(args[0].shape[2]) or op(*args))
     sdpa, dma = causal_lm("llama", "sdpa", seed), causal_lm("llama", "dma", seed)
     ids, _ = padded_batch(seed, length=20)
-    generate = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    # min_new_tokens: a random model may otherwise draw its end-of-sequence token first.
+    generate = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         dma_ids = dma.generate(ids[:1], **generate)
         step = dma(ids[:1, :5]).logits
