@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import sys
@@ -135,16 +136,11 @@ def run_shape(b, hq, hkv, n, d):
     return row
 
 
-def _positions(model, i: int, batch: int) -> dict:
+def _positions(i: int, batch: int, with_cache_position: bool) -> dict:
     """Position keywords of a decode step at position i: given explicitly, a
     compiled step never derives them from the cache's length tensor."""
-    import inspect
-
     pos = torch.full((batch, 1), i, device=DEVICE)
-    kw = {"position_ids": pos}
-    if "cache_position" in inspect.signature(type(model).forward).parameters:
-        kw["cache_position"] = pos[0]
-    return kw
+    return {"position_ids": pos, "cache_position": pos[0]} if with_cache_position else {"position_ids": pos}
 
 
 @torch.no_grad()
@@ -168,6 +164,7 @@ def model_decode(layers: int, context: int, batch: int, steps: int = 32, compile
     dma_compile.hf.register()
     result = {"layers": layers, "context": context, "batch": batch, "compiled": compiled}
     eager_forward = model.forward
+    with_cache_position = "cache_position" in inspect.signature(type(model).forward).parameters
     for name in ["sdpa", *CACHES]:
         torch._dynamo.reset()
         model.set_attn_implementation("sdpa" if name == "sdpa" else dma_compile.hf.NAME)
@@ -183,11 +180,11 @@ def model_decode(layers: int, context: int, batch: int, steps: int = 32, compile
             eager_forward(ids[:, start : min(start + PREFILL_CHUNK, context)], **kw, use_cache=True)
         step = torch.compile(eager_forward, mode="reduce-overhead", dynamic=False) if compiled else eager_forward
         for i in range(context, context + warmup):
-            step(ids[:, i : i + 1], **kw, **_positions(model, i, batch), use_cache=True)
+            step(ids[:, i : i + 1], **kw, **_positions(i, batch, with_cache_position), use_cache=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for i in range(context + warmup, total):
-            step(ids[:, i : i + 1], **kw, **_positions(model, i, batch), use_cache=True)
+            step(ids[:, i : i + 1], **kw, **_positions(i, batch, with_cache_position), use_cache=True)
         torch.cuda.synchronize()
         result[f"{name}_tok_s"] = steps * batch / (time.perf_counter() - start)
         del cache, step

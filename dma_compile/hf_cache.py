@@ -39,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from dma_compile.hf_config import NAME, checked_layers
 from dma_compile.kv_cache import QuantizedKV
 from dma_compile.policy import AttentionPolicy, ModelPolicy, as_model_policy, default_policy
-from dma_compile.reference import decode_keep
+from dma_compile.reference import decode_keep, mask_keeps
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,6 @@ def _log_fallback_once(reason: str) -> None:
     logger.warning("dma cache: attention runs stock SDPA: %s", reason)
 
 
-def _mask_keeps(attention_mask: torch.Tensor) -> torch.Tensor:
-    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != float("-inf")
-
-
 class KeyPaddingMasks:
     """Turns a decode step's mask into the decode op's key-keep vector, once
     per step: every layer of a model receives the same mask tensor, so the
@@ -74,7 +70,7 @@ class KeyPaddingMasks:
         with that key padding; None for any other mask."""
         if self._last is not None and self._last[0] is attention_mask:
             return self._last[1]
-        keep = _mask_keeps(attention_mask)
+        keep = mask_keeps(attention_mask)
         key_keep = None
         if keep.dim() == 4 and keep.shape[1] == 1 and keep.shape[2] == t and keep.shape[0] == lengths.shape[0]:
             candidate = keep[:, 0, -1, :]
@@ -221,7 +217,7 @@ class DMAStaticCacheLayer(_QuantizedLayer):
 
     def _key_keep(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
         if torch.compiler.is_compiling():
-            return _mask_keeps(attention_mask)[:, 0, -1, :]
+            return mask_keeps(attention_mask)[:, 0, -1, :]
         return super()._key_keep(attention_mask, t)
 
     def get_seq_length(self) -> torch.Tensor | int:

@@ -100,6 +100,14 @@ class QuantizedKV:
         if x.dtype != self.dtype or _indexed(x.device) != self.device:
             raise ValueError(f"{name} must be {self.dtype} on {self.device}, got {x.dtype} on {x.device}")
 
+    def _checked_keys(self, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
+        """k as the cache stores it (rotated when the cache rotates), after checking k and v."""
+        self._check("k", k)
+        self._check("v", v)
+        if k.shape != v.shape:
+            raise ValueError(f"v: shape must match k's {tuple(k.shape)}, got {tuple(v.shape)}")
+        return rotate_tokens(k, self.rotate, impl)
+
     def append(
         self, k: torch.Tensor, v: torch.Tensor, num_tokens: torch.Tensor | None = None, impl: str = "auto"
     ) -> None:
@@ -110,12 +118,8 @@ class QuantizedKV:
         (`ops_decode.encode_cache_tokens`). With num_tokens None and T within
         the recent window (decode steps) nothing waits for the GPU.
         """
-        self._check("k", k)
-        self._check("v", v)
-        if k.shape != v.shape:
-            raise ValueError(f"v: shape must match k's {tuple(k.shape)}, got {tuple(v.shape)}")
+        k = self._checked_keys(k, v, impl)
         t = k.shape[2]
-        k = rotate_tokens(k, self.rotate, impl)
         step = torch.arange(t, device=self.device)
         if num_tokens is None and (self.hi_k is None or t <= self.recent):
             count = None
@@ -158,12 +162,8 @@ class QuantizedKV:
         Tensor operations only, no host sync and no Python state (max_length
         is left as it is), so a static cache's step can run inside a compiled
         graph or a CUDA graph. Positions past the capacity are not checked."""
-        self._check("k", k)
-        self._check("v", v)
-        if k.shape != v.shape:
-            raise ValueError(f"v: shape must match k's {tuple(k.shape)}, got {tuple(v.shape)}")
+        k = self._checked_keys(k, v, impl)
         t = k.shape[2]
-        k = rotate_tokens(k, self.rotate, impl)
         p = start + torch.arange(t, device=self.device)
         for x, fmt, payload, scales in (
             (k, self.policy.cache_k, self.k_payload, self.k_scales),

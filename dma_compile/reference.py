@@ -62,7 +62,8 @@ def quantize_operand(x: torch.Tensor, fmt: str, policy: AttentionPolicy, input_d
     return fake_quantize(x_rot, fmt, policy.scale_rule, folded=policy.mx_mode == "folded").to(x.dtype)
 
 
-def _mask_keeps(attn_mask: torch.Tensor) -> torch.Tensor:
+def mask_keeps(attn_mask: torch.Tensor) -> torch.Tensor:
+    """Bool: where a boolean mask is True or an additive one is not -inf."""
     return attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
 
 
@@ -72,7 +73,7 @@ def attended(attn_mask: torch.Tensor | None, is_causal: bool, lq: int, lk: int, 
     if every key is included."""
     keep = torch.ones(lq, lk, dtype=torch.bool, device=device).tril() if is_causal else None
     if attn_mask is not None:
-        keep = _mask_keeps(attn_mask) if keep is None else keep & _mask_keeps(attn_mask)
+        keep = mask_keeps(attn_mask) if keep is None else keep & mask_keeps(attn_mask)
     return keep
 
 
@@ -85,7 +86,7 @@ def counted_keys(
     None when every key counts."""
     counted = None
     if attn_mask is not None:
-        m = _mask_keeps(attn_mask)
+        m = mask_keeps(attn_mask)
         while m.dim() < 4:
             m = m.unsqueeze(0)
         per_head = m.expand(*m.shape[:3], lk).any(dim=2)
@@ -318,8 +319,8 @@ def decode_attention_math(
     vf = v.float().repeat_interleave(group, dim=1)
     if key_keep is not None:
         # A left-out key is left out for every query of its sequence: zero it.
-        kf = kf.masked_fill(~keep.any(dim=2)[..., None], 0.0)
-        vf = vf.masked_fill(~keep.any(dim=2)[..., None], 0.0)
+        left_out = ~keep.any(dim=2)[..., None]
+        kf, vf = kf.masked_fill(left_out, 0.0), vf.masked_fill(left_out, 0.0)
     scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~keep, float("-inf"))
     p = torch.softmax(scores, dim=-1)

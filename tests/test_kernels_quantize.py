@@ -205,6 +205,18 @@ def test_only_unsmoothed_plans_share_the_statistics_launch():
         _q().kv_statistics(k, k, key_mean=True, value_scale=False, alongside=plan)
 
 
+def _assert_quantized_as_formats(got, values, fmts, mode, seed):
+    """The pass's operands `got` are formats' quantization of `values` (float32), bit for bit."""
+    for fmt in fmts:
+        mx = formats.quantize_mx(values, fmt)
+        if mode == "folded":
+            elements, exponents = formats.fold_mx(mx)
+            assert same(got[fmt][0], elements), f"seed {seed} {fmt} payload"
+            assert torch.equal(got[fmt][1], exponents), f"seed {seed} {fmt} exponents"
+        else:
+            assert same(got[fmt][0], mx.dequantize().to(torch.bfloat16)), f"seed {seed} {fmt}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
 @pytest.mark.parametrize("mode", ["folded", "exact"])
@@ -224,15 +236,7 @@ def test_rotated_tokens_match_formats(device, kind, mode, d, seed):
                                       rotate=kind))
     smoothed = x.cpu().float() - mean.cpu().unsqueeze(-2)
     assert same(got["none"][0], smoothed.to(torch.bfloat16)), f"seed {seed}"
-    rotated = rotate(smoothed, kind)
-    for fmt in fmts:
-        mx = formats.quantize_mx(rotated, fmt)
-        if mode == "folded":
-            elements, exponents = formats.fold_mx(mx)
-            assert same(got[fmt][0], elements), f"seed {seed} {fmt} payload"
-            assert torch.equal(got[fmt][1], exponents), f"seed {seed} {fmt} exponents"
-        else:
-            assert same(got[fmt][0], mx.dequantize().to(torch.bfloat16)), f"seed {seed} {fmt}"
+    _assert_quantized_as_formats(got, rotate(smoothed, kind), fmts, mode, seed)
     unrotated = formats.fold_mx(formats.quantize_mx(smoothed, fmts[1]))[0]
     if mode == "folded":
         assert not same(got[fmts[1]][0], unrotated)
@@ -257,15 +261,7 @@ def test_balanced_tokens_match_formats(device, kind, mode, seed):
                                       rotate=kind, balance=factors))
     smoothed = x.cpu().float() - mean.cpu().unsqueeze(-2)
     assert same(got["none"][0], smoothed.to(torch.bfloat16)), f"seed {seed}"
-    scaled = rotate(smoothed * factors.cpu().unsqueeze(-2), kind)
-    for fmt in fmts:
-        mx = formats.quantize_mx(scaled, fmt)
-        if mode == "folded":
-            elements, exponents = formats.fold_mx(mx)
-            assert same(got[fmt][0], elements), f"seed {seed} {fmt} payload"
-            assert torch.equal(got[fmt][1], exponents), f"seed {seed} {fmt} exponents"
-        else:
-            assert same(got[fmt][0], mx.dequantize().to(torch.bfloat16)), f"seed {seed} {fmt}"
+    _assert_quantized_as_formats(got, rotate(smoothed * factors.cpu().unsqueeze(-2), kind), fmts, mode, seed)
 
 
 @pytest.mark.parametrize("device", DEVICES)

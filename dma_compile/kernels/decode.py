@@ -28,6 +28,7 @@ import triton.language as tl
 from dma_compile.kernels import Unsupported
 from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_NONE, LOG2E, MX_FORMAT_CODES
 from dma_compile.kernels.numerics import HW_CVT, INTERPRET, pow2_wide, to_f32
+from dma_compile.kernels.quantize import key_keep_arguments
 
 # Cache format name -> element format code.
 CACHE_FORMAT_CODES = {"none": FMT_NONE.value, **{f: MX_FORMAT_CODES[f] for f in ("mxfp8_e4m3", "mxfp4_e2m1")}}
@@ -478,17 +479,20 @@ def decode_attention(
     vs = v_scales if v_scales is not None else placeholder
     hk = hi_k if has_hi else placeholder
     hv = hi_v if has_hi else placeholder
-    keep = placeholder if key_keep is None else _keep_bytes(key_keep)
+    # The passes' (B, H, L) key-keep arguments, with one head.
+    keep_length = max_length if key_keep is None else key_keep.shape[-1]
+    keep, skeep, _, has_keep = key_keep_arguments(
+        None if key_keep is None else key_keep[:, None], b, 1, keep_length, placeholder)
     sm_scale = (1.0 / math.sqrt(d) if scale is None else scale) * LOG2E.value
     _decode_split_kernel[(b * hkv, n_chunks)](
         q, k_payload, ks, v_payload, vs, hk, hv, lengths, keep, o_part, lse_part,
-        q.stride(0), q.stride(1), q.stride(2), keep.stride(0),
+        q.stride(0), q.stride(1), q.stride(2), skeep,
         *k_payload.stride()[:3], *ks.stride()[:3],
         *v_payload.stride()[:3], *vs.stride()[:3],
         *hk.stride()[:3],
         sm_scale, t, group, hkv, chunk, sink, recent,
         K_FMT=CACHE_FORMAT_CODES[k_fmt], V_FMT=CACHE_FORMAT_CODES[v_fmt], HAS_HI=has_hi,
-        HAS_KEEP=key_keep is not None, D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
+        HAS_KEEP=has_keep, D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
         HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -498,12 +502,6 @@ def decode_attention(
         D=d, BLOCK_M=block_m, BLOCK_C=triton.next_power_of_2(n_chunks),
     )
     return out
-
-
-def _keep_bytes(key_keep: torch.Tensor) -> torch.Tensor:
-    """key_keep as the kernel reads it: one byte per position, unit stride along positions."""
-    keep = key_keep.view(torch.uint8) if key_keep.dtype == torch.bool else key_keep.to(torch.uint8)
-    return keep if keep.stride(-1) == 1 else keep.contiguous()
 
 
 def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 4, query_len: int = 1,
