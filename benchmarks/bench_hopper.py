@@ -140,8 +140,8 @@ def methods_for(q, k, v, causal, variants, names, baseline=None):
     for name in names:
         policy = POLICIES[name]
         found[f"triton_{name}"] = lambda p=policy: attention_sm90(q, k, v, None, causal, None, p)
-        qi = quantize_inputs(q, k, v, policy)
-        found[f"quant_pass_{name}"] = lambda p=policy: quantize_inputs(q, k, v, p).v
+        qi = quantize_inputs(q, k, v, policy, v_wgmma_order=True)
+        found[f"quant_pass_{name}"] = lambda p=policy: quantize_inputs(q, k, v, p, v_wgmma_order=True).v
         first = next(iter(variants.values()))
         found[f"gluon_{name}_kernel_only"] = lambda p=policy, qi=qi: gluon_attention_from_quantized(
             qi, shape, causal, scale, p, **first)
@@ -149,10 +149,19 @@ def methods_for(q, k, v, causal, variants, names, baseline=None):
             found[f"gluon_{name}{vname}"] = lambda p=policy, var=variant: attention_sm90_gluon(
                 q, k, v, None, causal, None, p, **var)
         if baseline is not None:
-            found[f"baseline_{name}_kernel_only"] = lambda p=policy, qi=qi: baseline.gluon_attention_from_quantized(
+            # The baseline's own pass output (its V^T key order may differ from this version's).
+            qi_base = baseline.quantize_inputs(q, k, v, policy, **baseline_pass_options(baseline))
+            found[f"baseline_{name}_kernel_only"] = lambda p=policy, qi=qi_base: baseline.gluon_attention_from_quantized(
                 qi, shape, causal, scale, p, **first)
             found[f"baseline_{name}"] = lambda p=policy: baseline.attention_sm90_gluon(q, k, v, None, causal, None, p)
     return found
+
+
+def baseline_pass_options(baseline) -> dict:
+    """What the baseline's own entry asks of the quantization pass."""
+    import inspect
+
+    return {"v_wgmma_order": True} if "v_wgmma_order=True" in inspect.getsource(baseline.attention_sm90_gluon) else {}
 
 
 def run(shapes, variants, names, baseline=None):

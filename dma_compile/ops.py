@@ -7,7 +7,8 @@ runs: with impl="auto", the kernels of `KERNELS` that serve the GPU's compute
 capability, in table order, each handing to the next the calls it cannot
 serve or where the next measured faster (`Kernel.passes_on`; logged once per
 reason), and stock SDPA when none serves the call (reason logged once); the
-PyTorch reference on CPU or when asked for. A kernel whose
+PyTorch reference on CPU or when asked for. Every path returns its output
+in one memory layout (`dma_compile.kernels.output`). A kernel whose
 limits (`dma_compile.kernels.limits.LIMITS`: dtypes, head_dims, scale) refuse
 the call is passed over without being imported. The policy
 travels as a string argument so compiled-graph caches see it.
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from dma_compile import validate
 from dma_compile.kernels import Unsupported
 from dma_compile.kernels.limits import LIMITS, MAX_HEAD_DIM  # noqa: F401 (MAX_HEAD_DIM: for the doors above)
+from dma_compile.kernels.output import in_output_layout, output_like
 from dma_compile.policy import AttentionPolicy, as_policy
 from dma_compile.reference import dma_attention_reference
 
@@ -191,8 +193,8 @@ def run(plan: Route, q, k, v, attn_mask, is_causal: bool, scale: float | None, p
     elif plan.reason is not None:
         _warn_fallback_once(plan.reason)
     if plan.fallback == "reference":
-        return dma_attention_reference(q, k, v, attn_mask, is_causal, scale, policy).contiguous()
-    return stock_sdpa(q, k, v, attn_mask, is_causal, scale)
+        return in_output_layout(dma_attention_reference(q, k, v, attn_mask, is_causal, scale, policy))
+    return in_output_layout(stock_sdpa(q, k, v, attn_mask, is_causal, scale))
 
 
 # Dynamo must not trace the kernel when eager code after a graph break calls it.
@@ -203,7 +205,7 @@ def _attention(q, k, v, attn_mask, is_causal, scale, policy, impl):
     b, hq, lq, _ = q.shape
     if b * hq * lq == 0 or k.shape[2] == 0:
         # As SDPA: empty in, empty out; no keys, zeros.
-        return q.new_zeros((b, hq, lq, v.shape[-1]))
+        return output_like(q, v.shape[-1]).zero_()
     device = q.device
     plan = route(impl, device.type, _capability(device), lq < pol.min_q_len)
     return run(plan, q, k, v, attn_mask, is_causal, scale, pol)
@@ -211,7 +213,7 @@ def _attention(q, k, v, attn_mask, is_causal, scale, policy, impl):
 
 def _attention_fake(q, k, v, attn_mask, is_causal, scale, policy, impl):
     check_inputs(q, k, v, attn_mask, is_causal, scale, _parse_policy(policy), impl)
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return output_like(q, v.shape[-1])
 
 
 _lib = torch.library.Library("dma", "DEF")

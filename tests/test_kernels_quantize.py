@@ -126,6 +126,46 @@ def test_values_fp8(device, dtype, seed):
     assert same(vt[..., : shape[2]].transpose(-1, -2), expected), f"seed {seed}"
 
 
+def test_wgmma_key_order_is_a_permutation_within_each_32_keys():
+    order = _q().wgmma_key_order(96)
+    assert sorted(order.tolist()) == list(range(96))
+    assert torch.equal(order // 32, torch.arange(96) // 32)
+    # An accumulator thread q (columns 8j + 2q + e) holds its operand's columns 16h + 4q + 2j + e.
+    for q in range(4):
+        assert set(order[[16 * h + 4 * q + i for h in range(2) for i in range(4)]].tolist()) == \
+            {8 * j + 2 * q + e for j in range(4) for e in range(2)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_values_fp8_in_wgmma_key_order(device, fused, seed):
+    """V^T for the Gluon kernel: column c holds key wgmma_key_order[c], the
+    columns of keys past Lk (some inside Lk's last 32) are zeros, and keys
+    that do not count stay zeros wherever they land."""
+    b, h, length, d = (1, 2, 70, 32) if device == "cpu" else (2, 4, 1000, 128)
+    v = torch.randn(b, h, length, d).to(torch.bfloat16)
+    keep = torch.rand(b, 1, length) > 0.2
+    v[0, 0, 3, 5] = float("nan")
+    v = v.to(device)
+    stats = _q().kv_statistics(v, v, key_mean=False, value_scale=True)
+    args = (v, stats.value_exponents, keep.to(device), length - 5)
+    plain = _q().quantize_values_fp8(*args).cpu().view(torch.uint8)
+    if fused:
+        # Beside K's token programs, as the pass's fewest-launch path runs it.
+        plan = _q().plan_tokens(v, ("mxfp8_e4m3",), "folded", "rceil", pow2_scales=True)
+        ordered = _q().quantize_keys_and_values(plan, *args, wgmma_order=True)
+    else:
+        ordered = _q().quantize_values_fp8(*args, wgmma_order=True)
+    ordered = ordered.cpu().view(torch.uint8)
+    padded = -(-length // 32) * 32
+    assert ordered.shape == (b, h, d, padded)
+    key = _q().wgmma_key_order(padded)
+    inside = key < length
+    assert torch.equal(ordered[..., inside], plain[..., key[inside]]), f"seed {seed}"
+    assert not ordered[..., ~inside].any()
+    assert (~inside).any() and (key[: length] >= length).any(), "the case must put keys past Lk inside it"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_statistics_over_several_chunks(device, seed):
     """K's mean and V's scales from one pass over both, split into chunks of keys

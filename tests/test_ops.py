@@ -162,6 +162,47 @@ def test_fake_kernel_serves_valid_meta_inputs():
     assert out.device.type == "meta" and out.shape == (1, 4, 24, 64)
 
 
+def _query_major(x):
+    """Whether x (B, H, L, D) is laid out as (B, L, H, D) in memory, strides and all."""
+    b, h, length, d = x.shape
+    return x.stride() == (length * h * d, d, h * d, 1)
+
+
+@pytest.mark.parametrize("q_layout", ["contiguous", "query-major"])
+@pytest.mark.parametrize("impl", ["reference", "sm90", "sm100", "sdpa-fallback", "no-keys"])
+def test_output_layout_is_the_fake_kernels_whatever_runs(monkeypatch, impl, q_layout, seed):
+    """Every path returns what the fake kernel promises torch.compile: (B, H, L, D)
+    laid out as (B, L, H, D), the layout a transformers layer transposes back for free."""
+    kernel = impl in ("sm90", "sm100")
+    if kernel:
+        from dma_compile.kernels.numerics import INTERPRET
+
+        if not INTERPRET:
+            pytest.skip("the kernels take CPU tensors under TRITON_INTERPRET=1 only")
+    dtype = torch.bfloat16 if kernel else torch.float32
+    q, k, v = qkv(hq=4, hkv=2, lq=36, lk=0 if impl == "no-keys" else 36, d=32, dtype=dtype)
+    if q_layout == "query-major":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    fake = torch.ops.dma.attention(*(x.to("meta") for x in (q, k, v)), None, True, None, POLICY.to_string(), "auto")
+    if impl == "sdpa-fallback":
+        # What a GPU runs where no kernel serves the call; stock SDPA on CPU returns (B, H, L, D).
+        monkeypatch.setattr(ops, "route", lambda *a: Route(fallback="sdpa"))
+    out = torch.ops.dma.attention(q, k, v, None, True, None, POLICY.to_string(), impl if kernel or
+                                  impl == "reference" else "auto")
+    assert out.shape == fake.shape and out.stride() == fake.stride(), (out.stride(), fake.stride())
+    assert _query_major(out), out.stride()
+    # transformers' next step, (B, L, H, D) contiguous, is a view of the op's output.
+    assert out.transpose(1, 2).contiguous().data_ptr() == out.data_ptr()
+    if impl == "no-keys":
+        assert not out.any()
+    elif impl == "sdpa-fallback":
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    else:
+        ref = dma_attention_reference(q.float(), k.float(), v.float(), is_causal=True, policy=POLICY)
+        torch.testing.assert_close(out.float(), ref, atol=0.05 if kernel else 1e-6, rtol=0, msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize(
     "shape",
     [dict(b=0), dict(lq=0), dict(hq=0, hkv=0), dict(lk=0)],

@@ -11,7 +11,8 @@ per-thread offset that way with Triton 3.9). Spills outside those loops (a
 scalar reloaded once per tile of the persistent grid) are reported, not
 failed. The script's table also counts the warpgroup barriers (bar.sync)
 per matmul loop: Triton puts one before each `mbarrier.arrive`
-(BENCHMARKS.md, 2026-12-05, per-thread releases).
+(BENCHMARKS.md, 2026-12-05, per-thread releases). With FP8 P·V, P goes from
+QK^T's accumulator to P·V's operand within each thread (no index shuffles).
 
 Run as a script (`python tests/test_sm90_gluon_compile.py`) it prints the
 same per configuration.
@@ -38,6 +39,7 @@ def describe(ptx: str) -> dict:
         "mbarrier_waits": len(re.findall(r"mbarrier\.try_wait", ptx)),
         "wgmma_waits": len(re.findall(r"wgmma\.wait_group\.sync\.aligned", ptx)),
         "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "shfl_idx": len(re.findall(r"shfl\.sync\.idx", ptx)),
     }
 
 
@@ -76,6 +78,10 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
             assert info["loop_local_stores"] == 0, f"{name}: spills in the matmul loops {info}"
             assert info["loop_local_loads"] <= info["matmul_loops"], f"{name}: reloads in the matmul loops {info}"
             assert info["block_n"] == 128 or info["wide_spills"] > 0, name
+    # FP8 P reaches P·V without crossing threads (V^T in wgmma's key order):
+    # no more index shuffles than where P·V runs in 16 bits, which needs none.
+    for name in ("hopper_fp8pv_fp16_d64", "all_mxfp8_fp8pv"):
+        assert configs[name]["shfl_idx"] <= configs["hopper_input_pv_causal"]["shfl_idx"], (name, configs[name])
     assert kinds["hopper_input_pv_causal"] == {"bf16xbf16", "e4m3xe4m3"}
     assert kinds["hopper_fp8pv_fp16_d64"] == {"f16xf16", "e4m3xe4m3"}
     assert kinds["paper_folded_causal"] == {"e4m3xe4m3", "bf16xbf16"}

@@ -56,6 +56,7 @@ from dma_compile.kernels.numerics import (
     to_e4m3,
     to_f32,
 )
+from dma_compile.kernels.output import empty_output
 from dma_compile.kernels.quantize import (
     key_keep_arguments,
     kv_statistics,
@@ -498,7 +499,7 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
         v_scales = stats.value_scales
     else:
         v_op, v_strides, v_scales = v, v.stride(), v
-    out = torch.empty(b, hq, lq, dv, dtype=q.dtype, device=q.device)
+    out = empty_output(b, hq, lq, dv, q.dtype, q.device)
     if info is None:
         mask_kind, mask, mask_strides, summary, summary_strides = MASK_NONE.value, out, (0,) * 4, out, (0,) * 3
     else:
@@ -561,7 +562,7 @@ def compile_sm100(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim:
     def meta(*shape, dtype=torch_dtype):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    q, k, out = meta(b, hq, length, d), meta(b, hk, length, d), meta(b, hq, length, d)
+    q, k, out = meta(b, hq, length, d), meta(b, hk, length, d), empty_output(b, hq, length, d, torch_dtype, "meta")
     if policy.pv == "fp8":
         v_op = meta(b, hk, d, length, dtype=torch.float8_e4m3fn)
         v_strides = (v_op.stride(0), v_op.stride(1), v_op.stride(3), v_op.stride(2))

@@ -56,6 +56,7 @@ from dma_compile.kernels.numerics import (
     to_e4m3,
     to_f32,
 )
+from dma_compile.kernels.output import empty_output
 from dma_compile.kernels.quantize import (
     Operand,
     key_keep_arguments,
@@ -388,9 +389,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
 class QuantizedInputs:
     """What the quantization pass produces for one call: the (Q, K) operands of
     the high and low formats, and V, or e4m3 V^T (B, H, Dv, L_pad) with its
-    per-channel scales when P·V runs in FP8; key_keep and key_limit: the
-    keys that count (`masks.counted_key_arguments`), whose V the attention
-    kernel keeps (the FP8 V^T has the others zeroed already)."""
+    per-channel scales when P·V runs in FP8 (v_wgmma_order: its keys in
+    `quantize.wgmma_key_order`, for the Gluon kernel); key_keep and
+    key_limit: the keys that count (`masks.counted_key_arguments`), whose V
+    the attention kernel keeps (the FP8 V^T has the others zeroed already)."""
 
     q_hi: Operand
     k_hi: Operand
@@ -401,6 +403,7 @@ class QuantizedInputs:
     out_dtype: torch.dtype
     key_keep: torch.Tensor | None = None
     key_limit: int | None = None
+    v_wgmma_order: bool = False
 
 
 # Elements of K and V from which the pass with FP8 P·V takes five launches
@@ -413,7 +416,7 @@ FEWEST_LAUNCHES_BELOW = 2**24
 
 def quantize_inputs(
     q, k, v, policy: AttentionPolicy, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
-    is_causal: bool = False,
+    is_causal: bool = False, v_wgmma_order: bool = False,
 ) -> QuantizedInputs:
     """The quantization pass: K's (and V's) statistics and Q, then K (and V),
     in the kernel's layouts, in three launches (five for large calls with
@@ -423,6 +426,7 @@ def quantize_inputs(
     key_keep, key_limit: the keys that count (`masks.counted_key_arguments`; default all).
     is_causal: the call's flag, which places each query row's own key for a
     balancing policy (`balance.balance_factors`, torch operations before the launches).
+    v_wgmma_order: FP8 V^T with its keys in `quantize.wgmma_key_order` (the Gluon kernel's).
     """
     mx_formats = tuple(f for f in policy.formats if f != "none")
     q_balance = k_balance = None
@@ -443,14 +447,15 @@ def quantize_inputs(
         launch_tokens(k_plan)
         v_op = v
     elif fewest_launches:
-        v_op = quantize_keys_and_values(k_plan, v, stats.value_exponents, key_keep, key_limit)
+        v_op = quantize_keys_and_values(k_plan, v, stats.value_exponents, key_keep, key_limit, v_wgmma_order)
     else:
         launch_tokens(k_plan)
-        v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)
+        v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit, v_wgmma_order)
     q_ops = {"none": Operand(q), **q_plan.operands}
     k_ops = {"none": Operand(k), **k_plan.operands}
     q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]
-    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v_op, stats.value_scales, q.dtype, key_keep, key_limit)
+    return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v_op, stats.value_scales, q.dtype, key_keep, key_limit,
+                           v_wgmma_order and fp8_pv)
 
 
 def _copyable(x: torch.Tensor) -> torch.Tensor:
@@ -546,7 +551,7 @@ def attention_from_quantized(
     """The attention kernel alone. shape: (B, Hq, Hkv, Lq, Lk, D, Dv);
     mask_info: attn_mask's classification, if already at hand."""
     b, hq, hk, lq, lk, d, dv = shape
-    out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
+    out = empty_output(b, hq, lq, dv, qi.out_dtype, qi.q_lo.values.device)
     mask_kind, mask_args = _mask_arguments(attn_mask, b, hq, lq, lk, qi.q_lo.values, mask_info)
     args = _kernel_args(qi, out, shape, mask_kind, mask_args, is_causal, scale, policy)
     if INTERPRET:
@@ -670,7 +675,7 @@ def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: 
     def empty(*shape, dtype=torch_dtype):
         return torch.empty(*shape, dtype=dtype)
 
-    out = empty(b, hq, length, d)
+    out = empty_output(b, hq, length, d, torch_dtype, "cpu")
     if mask is None:
         mask_kind, mask_args = _mask_arguments(None, b, hq, length, length, out)
     else:

@@ -52,6 +52,7 @@ from dma_compile.kernels.gluon_compat import (
 )
 from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.numerics import TRITON_VERSION
+from dma_compile.kernels.output import empty_output
 from dma_compile.kernels.schedule import collapse_expanded_heads
 from dma_compile.policy import AttentionPolicy
 
@@ -327,7 +328,13 @@ def _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk,
 @gluon.jit
 def _pv_operand(p, v_dtype: gl.constexpr, PV_FP8: gl.constexpr, o_layout: gl.constexpr):
     if PV_FP8:
-        r = gl.convert_layout(p.to(gl.float8e4nv), gl.DotOperandLayout(0, o_layout, 4))
+        # V^T holds each 32 keys in wgmma's operand order (`quantize.WGMMA_KEY_ORDER`):
+        # put P's keys in the same order and every thread already holds the
+        # operand elements it owns in the accumulator, so the conversion moves
+        # bytes within registers, never between threads.
+        n: gl.constexpr = p.shape[1]
+        p8 = p.to(gl.float8e4nv).reshape([ROWS, n // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5))
+        r = gl.convert_layout(p8.reshape([ROWS, n]), gl.DotOperandLayout(0, o_layout, 4))
     else:
         r = gl.convert_layout(p.to(v_dtype), gl.DotOperandLayout(0, o_layout, 2))
     return r
@@ -447,12 +454,12 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
     and the ping-pong turn, carried from tile to tile."""
     q_ready, q_empty, k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
     Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale = scalars
-    QS_LO, QS_HI, VSCALE, O = ptrs
+    QS_LO, QS_HI, VSCALE, O, o_strides = ptrs
     q_lo_smem, q_hi_smem = q_smem
     k_lo_count, k_hi_count, turn = counts
     row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = m0 + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
-    # Q, its scales and O are (B, Hq, Lq, ...) row-major: one row index serves all three.
+    # Q and its scales are (B, Hq, Lq, ...) row-major: one row index serves both.
     row0 = (b.to(gl.int64) * Hq + h) * Lq
     l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
                                                          TILE, IS_CAUSAL, ONE_CLASS)
@@ -491,14 +498,15 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
     out = gl.convert_layout(out.to(O.dtype.element_ty), out_layout)
     r_o = m0 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
-    o_ptr = O + (row0 + r_o[:, None]) * HEAD_DIM + d_o[None, :]
+    so_b, so_h, so_l = o_strides
+    o_ptr = O + b.to(gl.int64) * so_b + h * so_h + r_o[:, None].to(gl.int64) * so_l + d_o[None, :]
     gl.store(o_ptr, out, mask=(r_o < Lq)[:, None])
     return k_lo_count, k_hi_count, turn
 
 
 @gluon.jit
 def _dma_attention_gluon_kernel(
-    QS_LO, QS_HI, VSCALE, O,
+    QS_LO, QS_HI, VSCALE, O, so_b, so_h, so_l,
     q_lo_desc, q_hi_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc,
     sm_scale, Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES, N_TILES, N_M, HEADS, SECTION,
     HEAD_DIM: gl.constexpr, TILE: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
@@ -546,7 +554,7 @@ def _dma_attention_gluon_kernel(
         mbarrier.init(turns.index(i), count=1)
 
     barriers = (q_ready, q_empty, k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns)
-    ptrs = (QS_LO, QS_HI, VSCALE, O)
+    ptrs = (QS_LO, QS_HI, VSCALE, O, (so_b, so_h, so_l))
     scalars = (Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale)
     sched = (N_TILES, N_M, HEADS, SECTION)
     q_smem = (q_lo_smem, q_hi_smem)
@@ -601,7 +609,8 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
     q_hi = q_lo if qi.q_hi.values is qi.q_lo.values else descriptor(qi.q_hi.values, ROWS.value)
     k_lo = descriptor(qi.k_lo.values, block_n)
     k_hi = k_lo if qi.k_hi.values is qi.k_lo.values else descriptor(qi.k_hi.values, block_n)
-    v, dims, strides = descriptor_geometry(qi.v, lk if pv_fp8 else None)
+    # FP8 V^T in wgmma's key order: the last keys' columns may lie past Lk, in the zeroed padding.
+    v, dims, strides = descriptor_geometry(qi.v, triton.cdiv(lk, 32) * 32 if pv_fp8 else None)
     v_block = [1, 1, dv, block_n] if pv_fp8 else [1, 1, block_n, dv]
     v_desc = TensorDescriptor(v, dims, strides, v_block, gl.NVMMASharedLayout.get_default_for(v_block, _gl_dtype(v)))
     hi_kind, lo_kind = _kind(policy.hi, policy), _kind(policy.lo, policy)
@@ -621,6 +630,7 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
 
     return dict(
         QS_LO=placeholder(qi.q_lo.scales), QS_HI=placeholder(qi.q_hi.scales), VSCALE=placeholder(qi.v_scales), O=out,
+        so_b=out.stride(0), so_h=out.stride(1), so_l=out.stride(2),
         q_lo_desc=q_lo, q_hi_desc=q_hi, k_lo_desc=k_lo, k_hi_desc=k_hi, v_desc=v_desc,
         ks_lo_desc=ks_lo, ks_hi_desc=ks_hi, KS_ROW=max(ks_row_lo, ks_row_hi),
         sm_scale=scale * LOG2E.value, Hq=hq, Hk=hk, Lq=lq, Lk=lk,
@@ -680,14 +690,15 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
     LIMITS["sm90_gluon"].check(q, v, scale)
     k, v = collapse_expanded_heads(k, v)
     shape = (b, hq, k.shape[1], lq, k.shape[2], d, v.shape[-1])
-    qi = quantize_inputs(q, k, v, policy, is_causal=is_causal)
+    qi = quantize_inputs(q, k, v, policy, is_causal=is_causal, v_wgmma_order=True)
     return gluon_attention_from_quantized(qi, shape, is_causal, scale, policy, **variant)
 
 
 def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
                                    **variant) -> torch.Tensor:
     """The attention kernel alone, on the quantization pass's output
-    (`attention_sm90.quantize_inputs`). shape: (B, Hq, Hkv, Lq, Lk, D, Dv).
+    (`attention_sm90.quantize_inputs`, with v_wgmma_order for FP8 P·V).
+    shape: (B, Hq, Hkv, Lq, Lk, D, Dv).
 
     Without an explicit `block_n` the kernel takes 128 keys per block, or 64
     where the compiler spilled registers in the matmul loops at 128
@@ -695,7 +706,9 @@ def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, pol
     `programs` (a variant) sets another count, e.g. one per tile to time the
     difference."""
     b, hq, _, lq, _, d, dv = shape
-    out = torch.empty(b, hq, lq, dv, dtype=qi.out_dtype, device=qi.q_lo.values.device)
+    if policy.pv == "fp8" and not qi.v_wgmma_order:
+        raise ValueError("the Gluon kernel reads FP8 V^T in wgmma's key order: quantize_inputs(..., v_wgmma_order=True)")
+    out = empty_output(b, hq, lq, dv, qi.out_dtype, qi.q_lo.values.device)
     variant = dict(variant)
     programs = variant.pop("programs", None) or _sm_count(out.device)
     key = None
@@ -753,7 +766,7 @@ def compile_sm90_gluon(policy: AttentionPolicy, *, dtype: str = "bfloat16", head
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     b, hq, hk, length, d = COMPILE_SHAPE + (head_dim,)
     qi = placeholder_inputs(policy, torch_dtype, head_dim)
-    out = torch.empty(b, hq, length, d, dtype=torch_dtype)
+    out = empty_output(b, hq, length, d, torch_dtype, "cpu")
     args = _kernel_args(qi, out, (b, hq, hk, length, length, d, d), is_causal, 1.0 / math.sqrt(d), policy, **variant)
     return compile_for_target(_dma_attention_gluon_kernel, args, capability, 4, 1,
                               extra_options={"maxnreg": MAXNREG}, gluon=True)

@@ -124,7 +124,7 @@ class Recording:
             # CompiledKernel[grid] reads three grid dimensions (JITFunction.run pads them).
             grid = tuple(rec.grid) + (1,) * (3 - len(rec.grid))
             launches.append((*_launchers(rec.compiled, grid), values, tuple(slots)))
-        return Replay(tuple(launches), max(size, 1), zeroed_bytes, tuple(out.shape), out.dtype)
+        return Replay(tuple(launches), max(size, 1), zeroed_bytes, tuple(out.shape), out.stride(), out.dtype)
 
 
 @dataclass(frozen=True)
@@ -135,11 +135,12 @@ class Replay:
     workspace_bytes: int
     zeroed_bytes: int
     out_shape: tuple
+    out_stride: tuple
     out_dtype: torch.dtype
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         device = inputs[0].device
-        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
+        out = torch.empty_strided(self.out_shape, self.out_stride, dtype=self.out_dtype, device=device)
         workspace = _workspace(self.workspace_bytes, device)
         if self.zeroed_bytes:
             workspace[: self.zeroed_bytes].zero_()

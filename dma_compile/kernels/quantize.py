@@ -12,7 +12,8 @@ kernel reads, in its layout (docs/semantics.md gives the math):
   power-of-two exponent per token, for fp8 tensor cores;
 - V for FP8 P·V: e4m3, transposed to (B, H, Dv, Lk_padded) because Hopper's
   fp8 MMA wants its second operand K-major, with one power-of-two scale per
-  channel.
+  channel; for the Gluon kernel with each 32 keys in wgmma's operand order
+  (`wgmma_key_order`).
 
 With a rotating policy (`AttentionPolicy.rotate`), Q and K are rotated along
 D (kernels/hadamard.py: a float32 butterfly in registers, bit-identical to
@@ -317,13 +318,36 @@ def _kv_stats_kernel(
             DX, BLOCK_T, False, False, FMT1, FMT2, FOLDED, RCEIL, POW2, HW_CVT, ROTATE, PRESCALE, INV_SQRT_D)
 
 
+def wgmma_key_order(length: int) -> torch.Tensor:
+    """The key each column of a V^T in wgmma's operand order holds (`length`
+    a multiple of 32): within each 32 keys, the order in which an FP8 wgmma's
+    register operand A takes the columns of a Hopper accumulator tile. The
+    Gluon kernel feeds P·V its P straight from QK^T's accumulator; with V^T's
+    keys in this order every thread already holds the P elements of its
+    operand, so no P element crosses threads (FlashAttention-3 permutes V the
+    same way when it transposes V in shared memory)."""
+    # Column t = 32g + 16h + 4q + 2j + e holds key 32g + 16h + 8j + 2q + e: an
+    # accumulator thread q owns columns 8j + 2q + e, its operand 16h + 4q + 2j + e.
+    t = torch.arange(length)
+    return (t & ~15) | (((t >> 1) & 1) << 3) | (((t >> 2) & 3) << 1) | (t & 1)
+
+
+@triton.jit
+def _wgmma_key(t):
+    """`wgmma_key_order` in a kernel."""
+    return (t & ~15) | (((t >> 1) & 1) << 3) | (((t >> 2) & 3) << 1) | (t & 1)
+
+
 @triton.jit
 def _quantize_v_block(
     pid_t, pid_bh, V, sv_b, sv_h, sv_l, sv_d, VEXP, OUT, KEEP, skp_b, skp_h, H, L, L_COUNTED, L_PAD,
     DV: tl.constexpr, BLOCK_T: tl.constexpr, HAS_KEEP: tl.constexpr, HW_CVT: tl.constexpr,
+    WGMMA_ORDER: tl.constexpr,
 ):
     """Keys block pid_t of (batch, head) pid_bh as e4m3(V / 2^e) per channel,
-    stored transposed: OUT (B*H, DV, L_PAD).
+    stored transposed: OUT (B*H, DV, L_PAD). With WGMMA_ORDER, column t holds
+    key `_wgmma_key(t)` and the padding columns up to L_PAD are written (zeros):
+    permuted keys of the last 32 land there.
 
     Keys that do not count (at or past L_COUNTED, or zero in KEEP) are
     stored as zeros: no query row attends them, and a zero keeps their
@@ -335,7 +359,13 @@ def _quantize_v_block(
     """
     b = pid_bh // H
     h = pid_bh % H
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    if WGMMA_ORDER:
+        t = _wgmma_key(col)
+        written = col < L_PAD
+    else:
+        t = col
+        written = col < L
     d = tl.arange(0, DV)
     ok = t < L
     src = V + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
@@ -348,7 +378,7 @@ def _quantize_v_block(
     counted = _counted(KEEP, skp_b, skp_h, b, h, t, ok & (t < L_COUNTED), HAS_KEEP)
     bits = tl.where(counted[:, None], bits, 0)
     dst = OUT + pid_bh.to(tl.int64) * DV * L_PAD
-    tl.store(dst + d[:, None] * L_PAD + t[None, :], tl.trans(bits), mask=ok[None, :])
+    tl.store(dst + d[:, None] * L_PAD + col[None, :], tl.trans(bits), mask=written[None, :])
 
 
 @triton.jit
@@ -359,7 +389,7 @@ def _quantize_kv_kernel(
     D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, WRITE_NONE: tl.constexpr,
     FMT1: tl.constexpr, FMT2: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
     HW_CVT: tl.constexpr, ROTATE: tl.constexpr, PRESCALE: tl.constexpr, INV_SQRT_D: tl.constexpr,
-    DV: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEEP: tl.constexpr,
+    DV: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEEP: tl.constexpr, WGMMA_ORDER: tl.constexpr,
 ):
     """The token blocks of X (K: smoothed, quantized; the first
     N_TOKEN_PROGRAMS programs), then V's blocks into e4m3 V^T: both need
@@ -373,7 +403,7 @@ def _quantize_kv_kernel(
     else:
         t = pid - N_TOKEN_PROGRAMS
         _quantize_v_block(t % N_V_BLOCKS, t // N_V_BLOCKS, V, sv_b, sv_h, sv_l, sv_d, VEXP, VT, KEEP, skp_b, skp_h,
-                          HV, LV, L_COUNTED, L_PAD, DV, BLOCK_V, HAS_KEEP, HW_CVT)
+                          HV, LV, L_COUNTED, L_PAD, DV, BLOCK_V, HAS_KEEP, HW_CVT, WGMMA_ORDER)
 
 
 @dataclass
@@ -645,19 +675,22 @@ def _value_block(dv: int) -> int:
 
 def quantize_keys_and_values(
     keys: TokenPlan | None, v: torch.Tensor, value_exponents: torch.Tensor,
-    key_keep: torch.Tensor | None = None, key_limit: int | None = None,
+    key_keep: torch.Tensor | None = None, key_limit: int | None = None, wgmma_order: bool = False,
 ) -> torch.Tensor:
     """K's token plan (`plan_tokens`, smoothed by the statistics' mean), if
     any, and V into e4m3 V^T, in one launch. Returns V^T: e4m3(V / 2^e)
-    transposed to (B, H, Dv, L_pad), L_pad a multiple of 16.
+    transposed to (B, H, Dv, L_pad), L_pad a multiple of 16; with
+    wgmma_order, of 32, each 32 keys in `wgmma_key_order`.
 
     key_keep, key_limit: as for `kv_statistics`; keys that do not count are
     stored as zeros, non-finite elements as e4m3 NaN.
     """
     b, h, length, dv = v.shape
     keep, skp_b, skp_h, has_keep = key_keep_arguments(key_keep, b, h, length, v)
-    l_pad = cdiv(length, 16) * 16
+    align = 32 if wgmma_order else 16
+    l_pad = cdiv(length, align) * align
     out = torch.empty(b, h, dv, l_pad, dtype=torch.float8_e4m3fn, device=v.device)
+    # A multiple of 32, so the programs over the keys also cover the last padding columns.
     block_v = _value_block(dv)
     n_v_blocks = cdiv(length, block_v)
     token_args, blocks_per_head, n_token_programs = _token_launch_args(keys, v)
@@ -667,13 +700,14 @@ def quantize_keys_and_values(
         VT=out.view(torch.uint8), KEEP=keep, skp_b=skp_b, skp_h=skp_h, HV=h, LV=length,
         L_COUNTED=length if key_limit is None else key_limit, L_PAD=l_pad, N_V_BLOCKS=n_v_blocks,
         N_TOKEN_BLOCKS=blocks_per_head, N_TOKEN_PROGRAMS=n_token_programs,
-        DV=dv, BLOCK_V=block_v, HAS_KEEP=has_keep, **token_args, num_warps=4,
+        DV=dv, BLOCK_V=block_v, HAS_KEEP=has_keep, WGMMA_ORDER=wgmma_order, **token_args, num_warps=4,
     )
     return out
 
 
 def quantize_values_fp8(
     v: torch.Tensor, value_exponents: torch.Tensor, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
+    wgmma_order: bool = False,
 ) -> torch.Tensor:
     """V alone into e4m3 V^T (`quantize_keys_and_values` without keys)."""
-    return quantize_keys_and_values(None, v, value_exponents, key_keep, key_limit)
+    return quantize_keys_and_values(None, v, value_exponents, key_keep, key_limit, wgmma_order)
