@@ -7,7 +7,9 @@ include the quantization pass. TFLOPS count 4*B*H*Lq*Lk*D (half of it when
 causal). Prints a table, writes JSON and a PNG plot of TFLOPS against
 sequence length; `--breakdown` also times the quantization pass and the
 attention kernel alone, with `--rotate` for each rotation of Q and K
-(`AttentionPolicy.rotate`), and the pass's time against the unrotated one.
+(`AttentionPolicy.rotate`), and the pass's time against the unrotated one;
+`--balance` adds each MX policy with Q/K balancing (`AttentionPolicy.balance_qk`)
+and its pass's time against the unbalanced one.
 
     python benchmarks/bench_attention.py --quick
     python benchmarks/bench_attention.py --seq-lens 16384 --head-dims 128 --causal yes --breakdown \
@@ -137,7 +139,7 @@ def quant_bytes(q, k, v, qi):
     return read + written
 
 
-def breakdown(shape, names, device, rotations=("none",)):
+def breakdown(shape, names, device, rotations=("none",), balance=False):
     from dma_compile.kernels.attention_sm90 import attention_from_quantized, quantize_inputs
     from dma_compile.timing import cuda_time_ms
 
@@ -150,8 +152,11 @@ def breakdown(shape, names, device, rotations=("none",)):
     rotations = sorted(set(rotations), key=lambda r: (r != "none", r))
     policies = [(n if rot == "none" else f"{n} rot={rot}", DMA_POLICIES[n].replace(rotate=rot), n)
                 for n in names for rot in rotations if rot == "none" or DMA_POLICIES[n].uses_mx]
+    if balance:
+        policies += [(f"{name} balanced", policy.replace(balance_qk=True), name)
+                     for name, policy, _ in list(policies) if policy.uses_mx]
     policies.append(("plain_bf16_kernel", PLAIN, "plain_bf16_kernel"))
-    unrotated = {}
+    unrotated, unbalanced = {}, {}
     for name, policy, base in policies:
         qi = quantize_inputs(q, k, v, policy)
         # GPU time by CUDA graph replay: the pass's launches take longer on the host than on the GPU.
@@ -165,11 +170,15 @@ def breakdown(shape, names, device, rotations=("none",)):
             "kernel_TFLOPS": flops(b, h, s, d, causal) / (t_kernel * 1e-3) / 1e12,
             "full_TFLOPS": flops(b, h, s, d, causal) / (t_full * 1e-3) / 1e12,
         })
-        if policy.rotate == "none":
-            unrotated[base] = t_quant
+        if policy.balance_qk:
+            # Balancing's share: its added time over the same pass without it.
+            rows[-1]["quant_vs_unbalanced"] = t_quant / unbalanced[base] - 1
+        elif policy.rotate == "none":
+            unrotated[base] = unbalanced[name] = t_quant
         elif base in unrotated:
             # The rotation's share: its added time over the unrotated pass.
             rows[-1]["quant_vs_unrotated"] = t_quant / unrotated[base] - 1
+            unbalanced[name] = t_quant
         tqdm.write(str(rows[-1]))
     return rows
 
@@ -265,6 +274,8 @@ def main(argv=None):
     parser.add_argument("--breakdown", action="store_true", help="also time the quantization pass and the kernel alone")
     parser.add_argument("--rotate", nargs="+", choices=list(ROTATIONS), default=["none"],
                         help="--breakdown: time the quantization pass with each rotation of Q and K")
+    parser.add_argument("--balance", action="store_true",
+                        help="--breakdown: also time each MX policy's pass with Q/K balancing")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness check")
     parser.add_argument("--out-dir", default="dma-out/bench")
     args = parser.parse_args(argv)
@@ -297,7 +308,7 @@ def main(argv=None):
     print(f"{report['device']}  torch {report['torch']}  triton {report['triton']}  {report['date']}")
     print(table(report["results"], sdpa_names))
     if args.breakdown or args.quick:
-        report["breakdown"] = [r for shape in shapes for r in breakdown(shape, names, device, args.rotate)]
+        report["breakdown"] = [r for shape in shapes for r in breakdown(shape, names, device, args.rotate, args.balance)]
         save(report, args.out_dir)
         print(tabulate(report["breakdown"], headers="keys", floatfmt=".3f"))
 

@@ -24,7 +24,8 @@ Per variant and prompt length, from a streamer that notes when each new token
 reaches the host: time to first token (prefill and the first token, from the
 generate call on, after a CUDA synchronize) and decode tokens/s (the other new
 tokens over the time from the first to the last), medians of --repeats calls
-after warm-up (the first generate, one for the logits and --warmup more); the
+after warm-up (the first generate, one for the logits and --warmup more),
+the eager variants' timed calls taking turns (sdpa, dma, ..., sdpa, dma, ...); the
 SDPA call sites of the compiled prefill graph that run dma.attention (the
 backend's RewriteReport); and the last-position prefill logits against the matching SDPA variant (eager
 against eager, compiled against compiled): relative L2 error and argmax
@@ -249,8 +250,10 @@ class PrefillSites:
         return f"{rewritten}/{sum(len(r.sites) for r in reports)}"
 
 
-def measure(args, model, variant: Variant, backend, ids, device, row: dict) -> torch.Tensor:
-    """Fills row with the timings; returns the last-position prefill logits."""
+def prepare(args, model, variant: Variant, backend, ids, device, row: dict) -> tuple[torch.Tensor, object]:
+    """The variant's untimed calls (the first generate, timed whole, with the
+    compiled prefill's DMA call sites; one for the logits; --warmup more).
+    Returns the last-position prefill logits and the cache its timed calls run on."""
     sites = PrefillSites(model, backend) if backend is not None else None
     # Sized for the full-length call; the shorter one below runs on it too.
     cache = static_cache(model, ids, args.new_tokens, variant)
@@ -262,11 +265,14 @@ def measure(args, model, variant: Variant, backend, ids, device, row: dict) -> t
     logits = out.logits[0][0].float()
     for _ in range(args.warmup):
         generate(model, ids, args.new_tokens, variant, cache)
-    first, decode = zip(*(timed_generate(model, ids, variant, args.new_tokens, device, cache)
-                          for _ in range(args.repeats)))
+    return logits, cache
+
+
+def record(args, row: dict, timings: list[tuple[float, float]]) -> None:
+    """Medians of the timed calls: time to first token and decode tokens/s."""
+    first, decode = zip(*timings)
     row["ttft_ms"] = statistics.median(first) * 1e3
     row["decode_tok_s"] = (args.new_tokens - 1) / statistics.median(decode)
-    return logits
 
 
 def compare(row: dict, logits: torch.Tensor, reference: torch.Tensor) -> None:
@@ -295,28 +301,50 @@ def run(args, device, results, save) -> None:
     dma_logger = logging.getLogger("dma_compile")
     dma_logger.addHandler(logs)
     steps = tqdm(total=len(todo) * len(prompts), desc="generate", unit="run")
-    for variant in todo:
+    # Eager variants take turns call by call (switching costs nothing there):
+    # the host time of eager decode drifts with what the process ran before,
+    # so timing them one after the other favours the first (BENCHMARKS.md,
+    # 2026-12-06). A compiled variant's switch recompiles: those run in turn.
+    groups = [[v for v in todo if v.mode == "eager"]] + [[v] for v in todo if v.mode == "compiled"]
+    for group in (g for g in groups if g):
         for n, ids in prompts.items():
-            steps.set_postfix_str(f"{variant.label} {n}")
-            row = {"variant": variant.name, "mode": variant.mode, "prompt": n, "layers": args.layers,
-                   "policy": None if variant.policy is None else variant.policy.to_string()}
-            logs.lines.clear()
-            try:
-                backend = set_up(model, variant, eager_forward)
-                logits = measure(args, model, variant, backend, ids, device, row)
-                if variant.policy is None:
-                    reference[variant.mode, n] = logits
-                elif (variant.mode, n) in reference:
-                    compare(row, logits, reference[variant.mode, n])
-            except Exception as e:  # one failing variant must not lose the others' numbers
-                row["error"] = f"{type(e).__name__}: {e}"
-                traceback.print_exc()
-            if logs.lines:
-                row["log"] = sorted(set(logs.lines))
-            results["rows"].append(row)
+            ready = []
+            for variant in group:
+                steps.set_postfix_str(f"{variant.label} {n}")
+                row = {"variant": variant.name, "mode": variant.mode, "prompt": n, "layers": args.layers,
+                       "policy": None if variant.policy is None else variant.policy.to_string()}
+                logs.lines.clear()
+                try:
+                    backend = set_up(model, variant, eager_forward)
+                    logits, cache = prepare(args, model, variant, backend, ids, device, row)
+                    if variant.policy is None:
+                        reference[variant.mode, n] = logits
+                    elif (variant.mode, n) in reference:
+                        compare(row, logits, reference[variant.mode, n])
+                    ready.append((variant, row, cache, []))
+                except Exception as e:  # one failing variant must not lose the others' numbers
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    traceback.print_exc()
+                if logs.lines:
+                    row["log"] = sorted(set(logs.lines))
+                results["rows"].append(row)
+            for _ in range(args.repeats):
+                for variant, row, cache, timings in ready:
+                    if "error" in row:
+                        continue
+                    try:
+                        if len(ready) > 1:
+                            set_up(model, variant, eager_forward)
+                        timings.append(timed_generate(model, ids, variant, args.new_tokens, device, cache))
+                    except Exception as e:
+                        row["error"] = f"{type(e).__name__}: {e}"
+                        traceback.print_exc()
+            for _, row, _, timings in ready:
+                if "error" not in row:
+                    record(args, row, timings)
             add_ratios(results["rows"])
             save()
-            steps.update()
+            steps.update(len(group))
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
