@@ -62,7 +62,12 @@ def balance_exponents(
     q_rows = qc.reshape(b, hkv, (hq // hkv) * lq, d)
     rows = None if q_counted is None else q_counted.repeat(1, 1, hq // hkv)
     # Maxima of 16-bit values are exact in float32, which frexp takes.
-    a_q, a_k = _channel_amax(q_rows, rows).float(), _channel_amax(kc, counted).float()
+    return exponents_from_maxima(_channel_amax(q_rows, rows).float(), _channel_amax(kc, counted).float())
+
+
+def exponents_from_maxima(a_q: torch.Tensor, a_k: torch.Tensor) -> torch.Tensor:
+    """`balance_exponents` from the channel maxima of |Q| and |K| (float32,
+    (B, Hkv, 1, D)); 0 where either is not positive."""
     e = torch.div(_floor_log2(a_k) - _floor_log2(a_q) + 1, 2, rounding_mode="floor")
     e = torch.where((a_q > 0) & (a_k > 0), e, 0)
     return e.clamp(-MAX_BALANCE_EXPONENT, MAX_BALANCE_EXPONENT).to(torch.int32)

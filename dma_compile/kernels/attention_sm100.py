@@ -490,7 +490,7 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
                           key_keep=key_keep, key_limit=key_limit)
     balance = (None, None)
     if policy.balance_qk and policy.uses_mx:
-        balance = balance_factors(q, k, policy, is_causal, key_keep, key_limit)
+        balance = balance_factors(q, k, policy, is_causal, key_keep, key_limit, stats.key_mean)
     ops = _class_operands(q, k, stats.key_mean, policy, balance)
     if policy.pv == "fp8":
         v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit)

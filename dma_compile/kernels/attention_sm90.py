@@ -425,21 +425,29 @@ def quantize_inputs(
     k and v must already have their stride-0 heads collapsed (`schedule.collapse_expanded_heads`).
     key_keep, key_limit: the keys that count (`masks.counted_key_arguments`; default all).
     is_causal: the call's flag, which places each query row's own key for a
-    balancing policy (`balance.balance_factors`, torch operations before the launches).
+    balancing policy (`balance.balance_factors`, torch operations after the
+    statistics launch, whose K mean they take; Q's launch follows them).
     v_wgmma_order: FP8 V^T with its keys in `quantize.wgmma_key_order` (the Gluon kernel's).
     """
     mx_formats = tuple(f for f in policy.formats if f != "none")
-    q_balance = k_balance = None
-    if policy.balance_qk and mx_formats:
-        q_balance, k_balance = balance_factors(q, k, policy, is_causal, key_keep, key_limit)
-    q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True, rotate=policy.rotate,
-                         balance=q_balance)
+    balancing = policy.balance_qk and bool(mx_formats)
     fp8_pv = policy.pv == "fp8"
-    fewest_launches = not fp8_pv or k.numel() + v.numel() < FEWEST_LAUNCHES_BELOW
-    if not fewest_launches:
-        launch_tokens(q_plan)
+    # Balancing's factors need K's mean, so Q waits for the statistics.
+    fewest_launches = not balancing and (not fp8_pv or k.numel() + v.numel() < FEWEST_LAUNCHES_BELOW)
+    q_plan = None
+    if not balancing:
+        q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True,
+                             rotate=policy.rotate)
+        if not fewest_launches:
+            launch_tokens(q_plan)
     stats = kv_statistics(k, v, key_mean=policy.smooth_k, value_scale=fp8_pv,
                           alongside=q_plan if fewest_launches else None, key_keep=key_keep, key_limit=key_limit)
+    k_balance = None
+    if balancing:
+        q_balance, k_balance = balance_factors(q, k, policy, is_causal, key_keep, key_limit, stats.key_mean)
+        q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True,
+                             rotate=policy.rotate, balance=q_balance)
+        launch_tokens(q_plan)
     smoothed_none = "none" in policy.formats and stats.key_mean is not None
     k_plan = plan_tokens(k, mx_formats, policy.mx_mode, policy.scale_rule, mean=stats.key_mean,
                          write_none=smoothed_none, pow2_scales=True, rotate=policy.rotate, balance=k_balance)

@@ -1,0 +1,45 @@
+"""The kernels' balancing factors (kernels/balance.py) against the reference's exponents."""
+
+import pytest
+import torch
+
+from dma_compile.balancing import balance_exponents, counted_queries
+from dma_compile.kernels.balance import balance_factors, counted_from_arguments
+from dma_compile.policy import AttentionPolicy
+from dma_compile.reference import diagonal_offset, key_mean
+
+
+@pytest.mark.parametrize("smooth_k", [True, False])
+@pytest.mark.parametrize("is_causal, lq, lk", [(True, 50, 50), (True, 30, 70), (False, 70, 40)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_factors_are_the_references_exponents(smooth_k, is_causal, lq, lk, masked, seed):
+    """Bit for bit, with GQA, channel ranges far apart, NaN and Inf in Q and K
+    (left out), keys left out by key_keep and key_limit, a query layout."""
+    torch.manual_seed(seed)
+    b, hq, hkv, d = 2, 6, 2, 64
+    q = (torch.randn(b, lq, hq, d) * torch.exp2(torch.randint(-9, 10, (d,)).float())).to(torch.bfloat16)
+    q = q.transpose(1, 2)  # as transformers passes it
+    k = (torch.randn(b, hkv, lk, d) * torch.exp2(torch.randint(-9, 10, (d,)).float()) + 3).to(torch.bfloat16)
+    q[0, 1, 4, 3], q[1, 5, 2, 7] = float("nan"), float("-inf")
+    k[0, 0, 5, 3], k[1, 1, 8, 9], k[0, 1, 1, 1] = float("inf"), float("nan"), float("-inf")
+    key_keep = key_limit = None
+    if masked:
+        key_keep = (torch.rand(b, 1, lk) > 0.3).to(torch.uint8)
+        key_limit = lk - 3
+        k[:, :, -2:, 11] = 1e30  # only in keys past the limit: must not count
+    policy = AttentionPolicy(smooth_k=smooth_k, balance_qk=True)
+    counted = counted_from_arguments(key_keep, key_limit, b, hkv, lk, q.device)
+    mean = key_mean(k, counted) if smooth_k else None
+    fq, fk = balance_factors(q, k, policy, is_causal, key_keep, key_limit, None if mean is None else mean[..., 0, :])
+    kc = k.float() - mean if smooth_k else k.float()
+    e = balance_exponents(q.float(), kc, counted, counted_queries(counted, lq, lk, diagonal_offset(lq, lk, is_causal)))
+    assert e.abs().max() > 1
+    expected = torch.exp2(e[:, :, 0].float())
+    assert torch.equal(fk, 1.0 / expected), f"seed {seed}"
+    assert torch.equal(fq, expected.repeat_interleave(hq // hkv, dim=1)), f"seed {seed}"
+
+
+def test_smoothing_policy_needs_the_mean():
+    q, k = torch.randn(1, 2, 8, 32), torch.randn(1, 1, 8, 32)
+    with pytest.raises(ValueError, match="key_mean"):
+        balance_factors(q, k, AttentionPolicy(balance_qk=True), True)
