@@ -328,7 +328,7 @@ def _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk,
 @gluon.jit
 def _pv_operand(p, v_dtype: gl.constexpr, PV_FP8: gl.constexpr, o_layout: gl.constexpr):
     if PV_FP8:
-        # V^T holds each 32 keys in wgmma's operand order (`quantize.WGMMA_KEY_ORDER`):
+        # V^T holds each 32 keys in wgmma's operand order (`quantize.wgmma_key_order`):
         # put P's keys in the same order and every thread already holds the
         # operand elements it owns in the accumulator, so the conversion moves
         # bytes within registers, never between threads.
