@@ -107,16 +107,13 @@ def transform_arguments(x: torch.Tensor, kind: str, balance: torch.Tensor | None
     The vector is the rotation's signs, times `balance` (B, H, D), powers of
     two, when given (`AttentionPolicy.balance_qk`): both are exact, so the
     product equals scaling first and rotating after."""
-    d = x.shape[-1]
-    check_head_dim(d, kind)
-    rotating = kind != "none"
-    inv_sqrt_d = inverse_sqrt_constant(d) if rotating else 1.0
+    signs, rotating, inv_sqrt_d = rotation_arguments(x, kind)
     if balance is None:
-        signs = sign_vector(d, kind, x.device) if rotating else x
         return dict(SIGNS=signs, SIGNS_BH=0, ROTATE=rotating, PRESCALE=False, INV_SQRT_D=inv_sqrt_d)
+    d = x.shape[-1]
     vectors = balance.reshape(-1, d).to(device=x.device, dtype=torch.float32)
     if rotating:
-        vectors = vectors * sign_vector(d, kind, x.device)
+        vectors = vectors * signs
     return dict(SIGNS=vectors.contiguous(), SIGNS_BH=d, ROTATE=rotating, PRESCALE=not rotating, INV_SQRT_D=inv_sqrt_d)
 
 
