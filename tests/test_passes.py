@@ -355,6 +355,50 @@ def test_compiled_generate_rewrites_every_graph(seed):
 
 
 @no_duck_shapes
+def test_decode_steps_keep_sdpa_by_design_with_impl_auto(seed, caplog, monkeypatch):
+    """With impl="auto" the op hands decode steps to stock SDPA at run time, so
+    the pass leaves them there: the prefill graph (query length a symbol) runs
+    the op, the decode graphs (one query) are stock SDPA's, logged once at INFO."""
+    monkeypatch.setattr(rewrite_sdpa_module, "_logged_reasons", set())
+    policy = ModelPolicy(default=AttentionPolicy(tile=32))
+    model = causal_lm("llama", "sdpa", seed)
+    backend = Captured(policy, impl="auto")
+    model.forward = torch.compile(model.forward, backend=backend, dynamic=True)
+    ids, mask = inputs(seed, length=40)
+    dma_compile.hf.register(policy)
+    eager = causal_lm("llama", "dma", seed)
+    settings = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+                    return_dict_in_generate=True)
+    with caplog.at_level(logging.INFO, logger="dma_compile.passes.rewrite_sdpa"), torch.no_grad():
+        out = model.generate(ids, **settings)
+        ref = eager.generate(ids, **settings)
+    prefill, *decode = backend.reports
+    assert len(prefill.rewritten) == 2 and not prefill.kept
+    assert decode, "no decode graph was compiled"
+    for report in decode:
+        assert not report.rewritten and len(report.kept) == 2
+        assert all(site.by_design and "min_q_len (16)" in site.reason for site in report.kept)
+    logged = [r for r in caplog.records if "decode steps" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].levelno == logging.INFO
+    assert torch.equal(out.sequences, ref.sequences), f"seed {seed}"
+    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=f"seed {seed} step {step}")
+
+
+def test_decode_reason_needs_a_query_provably_shorter_than_min_q_len():
+    args = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    policy = AttentionPolicy(min_q_len=8)
+    with FakeTensorMode():
+        def reason(length, impl="auto"):
+            q, k, v = qkv(length=length)
+            return rewrite_sdpa_module.decode_reason({**args, "query": q, "key": k, "value": v}, policy, impl)
+
+        assert "min_q_len (8)" in reason(7)
+        assert reason(8) is None
+        assert reason(1, impl="reference") is None and reason(1, impl="sm90") is None
+
+
+@no_duck_shapes
 def test_prefill_into_a_filled_cache_and_chunked_prefill(seed):
     """Chunks of 30, 50 and 20 tokens into one DynamicCache (the later chunks
     attend to the cached keys): every graph runs the op, with eager DMA's output."""

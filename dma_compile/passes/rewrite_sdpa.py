@@ -15,7 +15,10 @@ natively, and the expanded copies disappear from the graph. A mask that was
 only broadcast by `expand` is passed as its source: the op broadcasts masks.
 
 Call sites the op cannot serve keep stock SDPA; each distinct reason is logged
-once per process.
+once per process. So do, with impl="auto", call sites whose queries are
+shorter than the policy's `min_q_len` in every call (decode steps: the op
+would hand them to stock SDPA at run time), so that a compiled decode step is
+the graph stock Inductor builds; those are logged at INFO, being by design.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class CallSite:
     policy: str | None = None
     reason: str | None = None
     unexpanded_kv: bool = False
+    # Kept because stock SDPA serves such calls by design (decode steps), not for want of support.
+    by_design: bool = False
 
 
 @dataclass
@@ -285,11 +290,24 @@ def unsupported_reason(args: dict, policy: AttentionPolicy) -> str | None:
     return None
 
 
+def decode_reason(args: dict, policy: AttentionPolicy, impl: str) -> str | None:
+    """Why a call site is a decode step that stock SDPA serves (impl="auto",
+    queries provably shorter than the policy's `min_q_len`), or None."""
+    query = _tensor(args["query"])
+    if impl != "auto" or query is None or query.dim() != 4:
+        return None
+    if not statically_known_true(query.shape[2] < policy.min_q_len):
+        return None
+    return (f"queries shorter than the policy's min_q_len ({policy.min_q_len}): decode steps, "
+            "which stock SDPA serves")
+
+
 def _report_kept(site: CallSite) -> None:
     if site.reason in _logged_reasons:
         return
     _logged_reasons.add(site.reason)
-    logger.warning(
+    logger.log(
+        logging.INFO if site.by_design else logging.WARNING,
         "dma: kept stock SDPA at %s (node %s): %s",
         site.module or "<no module>",
         site.node,
@@ -393,9 +411,14 @@ def rewrite_sdpa(graph: fx.Graph, policy: ModelPolicy | None = None, impl: str =
             outcome = "arguments do not match SDPA's signature"
         else:
             layer_policy = _layer_policy(policy, layer, path, _tensor(args["query"]))
-            outcome = unsupported_reason(args, layer_policy) or _replace(graph, node, args, layer_policy, impl)
+            decode = decode_reason(args, layer_policy, impl)
+            if decode is not None:
+                outcome = CallSite(name, path, layer, reason=decode, by_design=True)
+            else:
+                outcome = unsupported_reason(args, layer_policy) or _replace(graph, node, args, layer_policy, impl)
         if isinstance(outcome, str):
             outcome = CallSite(name, path, layer, reason=outcome)
+        if outcome.reason is not None:
             _report_kept(outcome)
         report.sites.append(outcome)
     if report.rewritten:
