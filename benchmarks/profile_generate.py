@@ -7,9 +7,11 @@ Builds `bench_generate`'s Llama-3-8B-shaped model and sets each variant up as
 it does (eager or compiled with mode="reduce-overhead" on a StaticCache).
 After two untimed generate() calls, times one (time to first token, decode
 time per token, Python's garbage collections meanwhile) and profiles another (torch.profiler, CUDA kernels inside
-CUDA graphs included). Prints, per variant: the kernels that took the most
-GPU time with their launch counts (a kernel that runs once per layer and
-step shows layers x steps), the GPU time, the caching allocator's calls to
+CUDA graphs included). Prints, per variant and for the prefill and the
+decode steps apart (the latter as the whole call's kernels less a
+one-token call's): the kernels that took the most GPU time with their
+launch counts (a kernel that runs once per layer and step shows layers x
+steps), the GPU time, the caching allocator's calls to
 the driver (cudaMalloc/cudaFree), and the CUDA graph trees' skip counters
 (a decode graph that is not captured pays every launch on the host).
 """
@@ -35,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variants", default="sdpa,dma", help="subset of sdpa,dma,dma-input-pv")
     parser.add_argument("--modes", default="compiled", help="subset of eager,compiled")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per variant")
+    parser.add_argument("--host", type=int, default=0, help="also list this many host-side entries by self CPU time")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args(argv)
     args.variants, args.modes = args.variants.split(","), args.modes.split(",")
@@ -82,13 +85,18 @@ def allocator_calls(prof) -> str:
     return ", ".join(f"{name} {calls[name]}x {times[name] / 1e3:.1f} ms" for name in sorted(calls)) or "none"
 
 
-def kernel_table(prof, top: int) -> tuple[list[list], float]:
-    """The `top` kernels by GPU time as rows (name, launches, total µs), and the total GPU µs."""
+def kernel_times(prof) -> tuple[collections.Counter, collections.Counter]:
+    """GPU µs and launches per kernel name."""
     times, counts = collections.Counter(), collections.Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             times[event.name] += event.device_time
             counts[event.name] += 1
+    return times, counts
+
+
+def kernel_table(times: collections.Counter, counts: collections.Counter, top: int) -> tuple[list[list], float]:
+    """The `top` kernels by GPU time as rows (name, launches, total µs), and the total GPU µs."""
     total = sum(times.values())
     rows = [[name[:90], counts[name], f"{us:.0f}", f"{us / max(total, 1e-9):.1%}"] for name, us in times.most_common(top)]
     return rows, total
@@ -120,7 +128,7 @@ def main(argv=None) -> None:
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for variant in bg.variants(device, args.variants, args.modes):
         bg.set_up(model, variant, eager_forward)
-        cache = bg.static_cache(model, ids, args.new_tokens) if variant.mode == "compiled" else None
+        cache = bg.static_cache(model, ids, args.new_tokens, variant)
         torch._dynamo.utils.counters.clear()
         for _ in range(2):
             bg.generate(model, ids, args.new_tokens, variant, cache)
@@ -130,15 +138,25 @@ def main(argv=None) -> None:
             first, rest = bg.timed_generate(model, ids, variant, args.new_tokens, device, cache)
         prefill, prefill_gpu = profiled(lambda: bg.generate(model, ids, 1, variant, cache), activities, device)
         prof = profiled(lambda: bg.generate(model, ids, args.new_tokens, variant, cache), activities, device)[0]
-        rows, total = kernel_table(prof, args.top)
+        prefill_times, prefill_counts = kernel_times(prefill)
+        times, counts = kernel_times(prof)
+        # The decode steps' kernels: the whole generate() less its prefill's.
+        decode_times, decode_counts = times - prefill_times, counts - prefill_counts
         skips = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cudagraph" in k}
         print(f"\n{variant.label}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.layers} layers: "
               f"unprofiled TTFT {first * 1e3:.2f} ms, decode {(rest / (args.new_tokens - 1)) * 1e3:.3f} ms/token, "
               f"garbage collector {gc_clock}; profiled prefill (1 new token): GPU kernels "
-              f"{kernel_table(prefill, 0)[1] / 1e3:.2f} ms in {prefill_gpu * 1e3:.2f} ms; "
-              f"profiled: GPU kernel time {total / 1e3:.2f} ms, allocator {allocator_calls(prof)}; "
+              f"{sum(prefill_times.values()) / 1e3:.2f} ms in {prefill_gpu * 1e3:.2f} ms; "
+              f"profiled: GPU kernel time {sum(times.values()) / 1e3:.2f} ms, allocator {allocator_calls(prof)}; "
               f"cudagraph counters {skips or 'none'}")
-        print(tabulate(rows, headers=["kernel", "launches", "GPU µs", "share"], tablefmt="github"))
+        for phase, (t, c) in (("prefill", (prefill_times, prefill_counts)),
+                              (f"decode, {args.new_tokens - 1} steps", (decode_times, decode_counts))):
+            rows, total = kernel_table(t, c, args.top)
+            print(f"{phase}: GPU kernels {total / 1e3:.2f} ms")
+            print(tabulate(rows, headers=["kernel", "launches", "GPU µs", "share"], tablefmt="github"))
+        if args.host:
+            print(f"host, the whole generate(): {args.host} entries by self CPU time")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host, max_name_column_width=70))
     model.forward = eager_forward
     torch._dynamo.reset()
 
