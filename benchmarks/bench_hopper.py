@@ -33,7 +33,11 @@ from tqdm import tqdm
 
 from dma_compile import AttentionPolicy
 from dma_compile.kernels.attention_sm90 import attention_sm90, quantize_inputs
-from dma_compile.kernels.attention_sm90_gluon import attention_sm90_gluon, gluon_attention_from_quantized
+from dma_compile.kernels.attention_sm90_gluon import (
+    attention_sm90_gluon,
+    gluon_attention_from_quantized,
+    pass_options,
+)
 from dma_compile.reference import dma_attention_reference
 
 # "hopper" is the default on sm_90 (FP8 P·V); HOPPER keeps P·V in the input dtype.
@@ -62,9 +66,10 @@ CHECK_CASES = [  # (name, policy, B, Hq, Hkv, Lq, Lk, D, causal, dtype)
 ]
 # Launch variants of the Gluon kernel (attention_sm90_gluon._kernel_args); _s3 with
 # block_n 128 fits shared memory at D 64 only; _pertile: one program per tile
-# instead of the persistent grid.
+# instead of the persistent grid; _qprologue: Q quantized in the kernel's prologue, not by the pass.
 VARIANTS = {"": {}, "_nopp": {"pingpong": False}, "_s3": {"stages": 3}, "_bn64": {"block_n": 64},
-            "_bn64_s3": {"block_n": 64, "stages": 3}, "_bn128": {"block_n": 128}, "_pertile": {"programs": 2**31 - 1}}
+            "_bn64_s3": {"block_n": 64, "stages": 3}, "_bn128": {"block_n": 128}, "_pertile": {"programs": 2**31 - 1},
+            "_qprologue": {"q_prologue": True}}
 
 
 def rel_l2(a, b):
@@ -140,9 +145,10 @@ def methods_for(q, k, v, causal, variants, names, baseline=None):
     for name in names:
         policy = POLICIES[name]
         found[f"triton_{name}"] = lambda p=policy: attention_sm90(q, k, v, None, causal, None, p)
-        qi = quantize_inputs(q, k, v, policy, v_wgmma_order=True)
-        found[f"quant_pass_{name}"] = lambda p=policy: quantize_inputs(q, k, v, p, v_wgmma_order=True).v
-        first = next(iter(variants.values()))
+        first = dict(next(iter(variants.values())))
+        options = pass_options(first.pop("q_prologue", False))
+        qi = quantize_inputs(q, k, v, policy, **options)
+        found[f"quant_pass_{name}"] = lambda p=policy: quantize_inputs(q, k, v, p, **options).v
         found[f"gluon_{name}_kernel_only"] = lambda p=policy, qi=qi: gluon_attention_from_quantized(
             qi, shape, causal, scale, p, **first)
         for vname, variant in variants.items():
@@ -161,6 +167,8 @@ def baseline_pass_options(baseline) -> dict:
     """What the baseline's own entry asks of the quantization pass."""
     import inspect
 
+    if hasattr(baseline, "pass_options"):
+        return baseline.pass_options()
     return {"v_wgmma_order": True} if "v_wgmma_order=True" in inspect.getsource(baseline.attention_sm90_gluon) else {}
 
 

@@ -50,6 +50,7 @@ def resources(cubin: bytes) -> dict:
             "loop_local_loads": sum(loop["local_loads"] for loop in loops),
             "loop_local_stores": sum(loop["local_stores"] for loop in loops),
             "loop_barriers": max((loop["barriers"] for loop in loops), default=0),
+            "loop_index_shuffles": sum(loop["index_shuffles"] for loop in loops),
             "matmul_loops": len(loops), "counted_spills": sass_reader.counted_spills(sass),
             "shared_ops": len(re.findall(r"\b(?:LDS|STS|LDSM|STSM)\b", sass))}
 

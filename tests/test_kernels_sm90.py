@@ -260,6 +260,27 @@ def test_gpu_unaligned_views(seed):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("policy", [AttentionPolicy.hopper(), PAPER_FOLDED], ids=["hopper", "paper_folded"])
+def test_pass_can_leave_q_to_the_kernel(policy, seed):
+    """quantize_q=False (the Gluon kernel quantizes Q in its prologue): Q is
+    passed through as given and K and V come out as with Q quantized."""
+    from dma_compile.kernels.attention_sm90 import quantize_inputs
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, 50, 64, generator=gen).bfloat16() for h in (4, 2, 2))
+    full = quantize_inputs(q, k, v, policy, v_wgmma_order=True)
+    lean = quantize_inputs(q, k, v, policy, v_wgmma_order=True, quantize_q=False)
+    assert full.q_quantized and not lean.q_quantized
+    assert lean.q_hi.values is q and lean.q_lo.values is q and lean.q_lo.scales is None
+    for name in ("k_hi", "k_lo"):
+        a, b = getattr(full, name), getattr(lean, name)
+        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8)), name
+    assert torch.equal(full.v.view(torch.uint8), lean.v.view(torch.uint8))
+    with pytest.raises(ValueError, match="quantize_q=False"):
+        quantize_inputs(q, k, v, policy.replace(rotate="hadamard"), quantize_q=False)
+
+
+@needs_interpreter
 def test_mask_classification_is_cached_and_sees_writes(seed):
     from dma_compile.kernels.masks import classify_mask
 

@@ -72,6 +72,50 @@ def test_gluon_random_shape_sweep(chunk):
             assert check(case, i), f"{case}: the Gluon kernel must serve every sweep case"
 
 
+PROLOGUE_POLICIES = [HOPPER, HOPPER.replace(pv="fp8"), PAPER_FOLDED,
+                     AttentionPolicy.preset("all_mxfp4").replace(mx_mode="folded", pv="fp8")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", PROLOGUE_POLICIES, ids=lambda p: p.to_string())
+@pytest.mark.parametrize("d, causal", [(128, True), (64, False)])
+def test_gluon_prologue_quantizes_q_as_the_pass_does(policy, d, causal, seed):
+    """Q quantized in the kernel's prologue gives the output of Q quantized by
+    the pass, bit for bit (`quantize.folded_mx` is one function for both), on
+    channel-scaled inputs with NaN and Inf in some of Q's blocks and a tail."""
+    import math
+
+    from dma_compile.kernels.attention_sm90 import quantize_inputs
+    from dma_compile.kernels.attention_sm90_gluon import can_quantize_q, gluon_attention_from_quantized
+
+    assert can_quantize_q(policy)
+    b, hq, hk, lq, lk = 2, 4, 2, 333, 333
+    channels = 2.0 ** torch.randint(-6, 7, (d,), device="cuda")
+    q = (torch.randn(b, hq, lq, d, device="cuda") * channels).bfloat16()
+    q[0, 1, 7, 3], q[1, 2, 300, 40] = float("nan"), float("inf")
+    k = torch.randn(b, hk, lk, d, device="cuda").bfloat16()
+    v = torch.randn(b, hk, lk, d, device="cuda").bfloat16()
+    shape = (b, hq, hk, lq, lk, d, d)
+    outs = [gluon_attention_from_quantized(
+        quantize_inputs(q, k, v, policy, is_causal=causal, v_wgmma_order=True, quantize_q=quantize_q),
+        shape, causal, 1 / math.sqrt(d), policy) for quantize_q in (True, False)]
+    assert outs[0].isnan().any() and not outs[0].isnan().all()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"seed {seed} {policy}"
+
+
+def test_gluon_q_prologue_only_where_the_pass_does_not_transform_q():
+    from dma_compile.kernels.attention_sm90_gluon import attention_sm90_gluon, can_quantize_q, pass_options
+
+    assert can_quantize_q(HOPPER) and can_quantize_q(PAPER_FOLDED)
+    assert not can_quantize_q(HOPPER.replace(rotate="hadamard"))
+    assert not can_quantize_q(PAPER_FOLDED.replace(balance_qk=True))
+    assert pass_options() == {"v_wgmma_order": True, "quantize_q": True}
+    assert pass_options(q_prologue=True)["quantize_q"] is False
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q_prologue: the kernel cannot quantize a rotated"):
+        attention_sm90_gluon(q, q, q, None, True, None, HOPPER.replace(rotate="hadamard"), q_prologue=True)
+
+
 @pytest.mark.parametrize("what, expect", [
     ({}, None),
     ({"capability": (10, 0)}, "sm_90 GPU"),

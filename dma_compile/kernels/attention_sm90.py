@@ -390,7 +390,8 @@ class QuantizedInputs:
     """What the quantization pass produces for one call: the (Q, K) operands of
     the high and low formats, and V, or e4m3 V^T (B, H, Dv, L_pad) with its
     per-channel scales when P·V runs in FP8 (v_wgmma_order: its keys in
-    `quantize.wgmma_key_order`, for the Gluon kernel); key_keep and
+    `quantize.wgmma_key_order`, for the Gluon kernel); q_quantized False:
+    Q as given in both operands, for the Gluon kernel's Q prologue; key_keep and
     key_limit: the keys that count (`masks.counted_key_arguments`), whose V
     the attention kernel keeps (the FP8 V^T has the others zeroed already)."""
 
@@ -404,6 +405,8 @@ class QuantizedInputs:
     key_keep: torch.Tensor | None = None
     key_limit: int | None = None
     v_wgmma_order: bool = False
+    # False: Q is left as given (q_hi and q_lo hold it) for a kernel that quantizes it itself.
+    q_quantized: bool = True
 
 
 # Elements of K and V from which the pass with FP8 P·V takes five launches
@@ -416,7 +419,7 @@ FEWEST_LAUNCHES_BELOW = 2**24
 
 def quantize_inputs(
     q, k, v, policy: AttentionPolicy, key_keep: torch.Tensor | None = None, key_limit: int | None = None,
-    is_causal: bool = False, v_wgmma_order: bool = False,
+    is_causal: bool = False, v_wgmma_order: bool = False, quantize_q: bool = True,
 ) -> QuantizedInputs:
     """The quantization pass: K's (and V's) statistics and Q, then K (and V),
     in the kernel's layouts, in three launches (five for large calls with
@@ -428,14 +431,18 @@ def quantize_inputs(
     balancing policy (`balance.balance_factors`, torch operations after the
     statistics launch, whose K mean they take; Q's launch follows them).
     v_wgmma_order: FP8 V^T with its keys in `quantize.wgmma_key_order` (the Gluon kernel's).
+    quantize_q: False leaves Q as given, for a kernel that quantizes it in its
+    prologue (`attention_sm90_gluon.quantizes_q`: no rotation, no balancing).
     """
     mx_formats = tuple(f for f in policy.formats if f != "none")
     balancing = policy.balance_qk and bool(mx_formats)
     fp8_pv = policy.pv == "fp8"
+    if not quantize_q and (balancing or policy.rotate != "none"):
+        raise ValueError("quantize_q=False: a rotating or balancing policy's Q must be quantized by the pass")
     # Balancing's factors need K's mean, so Q waits for the statistics.
     fewest_launches = not balancing and (not fp8_pv or k.numel() + v.numel() < FEWEST_LAUNCHES_BELOW)
     q_plan = None
-    if not balancing:
+    if quantize_q and not balancing:
         q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True,
                              rotate=policy.rotate)
         if not fewest_launches:
@@ -459,11 +466,11 @@ def quantize_inputs(
     else:
         launch_tokens(k_plan)
         v_op = quantize_values_fp8(v, stats.value_exponents, key_keep, key_limit, v_wgmma_order)
-    q_ops = {"none": Operand(q), **q_plan.operands}
+    q_ops = {"none": Operand(q), **(q_plan.operands if quantize_q else {f: Operand(q) for f in mx_formats})}
     k_ops = {"none": Operand(k), **k_plan.operands}
     q_hi, k_hi, q_lo, k_lo = q_ops[policy.hi], k_ops[policy.hi], q_ops[policy.lo], k_ops[policy.lo]
     return QuantizedInputs(q_hi, k_hi, q_lo, k_lo, v_op, stats.value_scales, q.dtype, key_keep, key_limit,
-                           v_wgmma_order and fp8_pv)
+                           v_wgmma_order and fp8_pv, quantize_q)
 
 
 def _copyable(x: torch.Tensor) -> torch.Tensor:
@@ -636,10 +643,12 @@ def _attention(q, k, v, attn_mask, is_causal: bool, scale: float | None, policy:
 COMPILE_SHAPE = (1, 8, 2, 1024)
 
 
-def placeholder_inputs(policy: AttentionPolicy, dtype: torch.dtype, head_dim: int) -> QuantizedInputs:
+def placeholder_inputs(policy: AttentionPolicy, dtype: torch.dtype, head_dim: int,
+                       q_quantized: bool = True) -> QuantizedInputs:
     """Small CPU tensors shaped as the quantization pass's output for a
     COMPILE_SHAPE call (not meta tensors: descriptors read a data pointer);
-    what offline compiles of the Hopper kernels launch on."""
+    what offline compiles of the Hopper kernels launch on. q_quantized False:
+    Q as given (`quantize_inputs(..., quantize_q=False)`)."""
     b, hq, hk, length = COMPILE_SHAPE
     d = head_dim
 
@@ -658,8 +667,9 @@ def placeholder_inputs(policy: AttentionPolicy, dtype: torch.dtype, head_dim: in
         v, v_scales = empty(b, hk, d, length, dtype=torch.float8_e4m3fn), empty(b, hk, d, dtype=torch.float32)
     else:
         v, v_scales = empty(b, hk, length, d), None
-    return QuantizedInputs(operand(policy.hi, hq), operand(policy.hi, hk), operand(policy.lo, hq),
-                           operand(policy.lo, hk), v, v_scales, dtype)
+    q_hi, q_lo = (operand(policy.hi, hq), operand(policy.lo, hq)) if q_quantized else (operand("none", hq),) * 2
+    return QuantizedInputs(q_hi, operand(policy.hi, hk), q_lo, operand(policy.lo, hk), v, v_scales, dtype,
+                           q_quantized=q_quantized)
 
 
 def compile_sm90(policy: AttentionPolicy, *, dtype: str = "bfloat16", head_dim: int = 128, is_causal: bool = False,

@@ -20,7 +20,9 @@ pass output (`attention_sm90.quantize_inputs`), the same precision bands per
 of two per query row and key column, "none" on bf16/fp16 tensor cores, online
 softmax in fp32 with exp2, P·V in V's dtype or in FP8 (e4m3(P * 256) against
 e4m3 V^T with per-channel scales). The calls it does not serve (see
-`unsupported_reason`) go to the portable Triton kernel.
+`unsupported_reason`) go to the portable Triton kernel. Q comes quantized
+from the pass; the `q_prologue` variant has each consumer quantize its Q
+tile itself instead (same rounding, `quantize.folded_mx`), measured slower.
 """
 
 from __future__ import annotations
@@ -40,18 +42,21 @@ from dma_compile.kernels.attention_sm90 import (
     placeholder_inputs,
     quantize_inputs,
 )
-from dma_compile.kernels.codes import KIND_FOLDED, LOG2E
+from dma_compile.kernels.codes import FMT_NONE, KIND_FOLDED, LOG2E, MX_FORMAT_CODES
 from dma_compile.kernels.gluon_compat import (
     TensorDescriptor,
+    fence_async_shared,
     gl,
     gluon,
     mbarrier,
+    thread_barrier,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from dma_compile.kernels.limits import LIMITS
-from dma_compile.kernels.numerics import TRITON_VERSION
+from dma_compile.kernels.numerics import TRITON_VERSION, block_amax
+from dma_compile.kernels.quantize import folded_mx, folded_scale
 from dma_compile.kernels.output import empty_output
 from dma_compile.kernels.schedule import collapse_expanded_heads
 from dma_compile.policy import AttentionPolicy
@@ -221,15 +226,16 @@ def _produce_class(k_desc, ks_desc, v_desc, k_ring, ks_ring, v_ring, k_ready, k_
 
 
 @gluon.jit
-def _produce_q(q_desc, q_smem, q_ready, q_empty, b, h, m0, j, ONE_CLASS: gl.constexpr):
+def _produce_q(q_desc, q_smem, q_ready, q_empty, b, h, m0, j, ONE_LOAD: gl.constexpr):
     """Both consumers' Q tiles of the program's j-th tile, each once its
     consumer has released the last one's. q_desc, q_smem: the low and the high
-    format's."""
+    format's; ONE_LOAD: one tile serves both (one precision class, or Q as
+    given, which the consumers quantize)."""
     q_lo_desc, q_hi_desc = q_desc
     q_lo_smem, q_hi_smem = q_smem
     for wg in gl.static_range(2):
         mbarrier.wait(q_empty.index(wg), (j & 1) ^ 1)
-        if ONE_CLASS:
+        if ONE_LOAD:
             mbarrier.expect(q_ready.index(wg), q_lo_desc.block_type.nbytes)
         else:
             mbarrier.expect(q_ready.index(wg), q_lo_desc.block_type.nbytes + q_hi_desc.block_type.nbytes)
@@ -240,8 +246,8 @@ def _produce_q(q_desc, q_smem, q_ready, q_empty, b, h, m0, j, ONE_CLASS: gl.cons
 @gluon.jit
 def _producer(q_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_smem, k_lo_ring, k_hi_ring,
               ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, sched, TILE: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              ONE_CLASS: gl.constexpr, Q_IN_KERNEL: gl.constexpr, PV_FP8: gl.constexpr, HI_KIND: gl.constexpr,
+              LO_KIND: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Loads, tile after tile of the program, the consumers' Q tiles, then
     every key block they visit in their order: the low format's ranges, then
     the high format's. The ring counters run on across tiles, so the next
@@ -253,7 +259,7 @@ def _producer(q_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_sm
     k_hi_count = _runtime_zero()
     for t in range(gl.program_id(0), sched[0], gl.num_programs(0)):
         m0, b, h, hk = _tile_coords(t, sched, Hq, Hk)
-        _produce_q(q_desc, q_smem, q_ready, q_empty, b, h, m0, t // gl.num_programs(0), ONE_CLASS)
+        _produce_q(q_desc, q_smem, q_ready, q_empty, b, h, m0, t // gl.num_programs(0), ONE_CLASS or Q_IN_KERNEL)
         l0s, l0e, l1s, l1e, h0s, h0e, h1s, h1e = _block_plan(m0, Lq, Lk, SINK_TILES, DIAG_TILES,
                                                              TILE, IS_CAUSAL, ONE_CLASS)
         kv_row = (b * Hk + hk) * KS_ROW
@@ -413,6 +419,43 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
 
 
 @gluon.jit
+def _quantized_q_class(x, amax, bad, dst, sm_scale, FMT: gl.constexpr, RCEIL: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, row_layout: gl.constexpr):
+    """One class's Q operand from the tile x (ROWS, D // 32, 32): its folded MX
+    payload stored into dst, and its row scales times sm_scale (sm_scale
+    alone for format none, whose operand is the tile as given)."""
+    if FMT == FMT_NONE:
+        r = gl.full([ROWS], 1.0, gl.float32, row_layout) * sm_scale
+    else:
+        bits, a = folded_mx(x, amax, bad, FMT, RCEIL, True)
+        dst.store(bits.reshape([ROWS, HEAD_DIM]).to(gl.float8e4nv, bitcast=True))
+        r = gl.convert_layout(folded_scale(a), row_layout) * sm_scale
+    return r
+
+
+@gluon.jit
+def _quantize_q(src, q_lo, q_hi, sm_scale, LO_FMT: gl.constexpr, HI_FMT: gl.constexpr, ONE_CLASS: gl.constexpr,
+                RCEIL: gl.constexpr, HEAD_DIM: gl.constexpr, row_layout: gl.constexpr):
+    """The prologue's Q quantization (no Q in the pass): the consumer's Q tile
+    as given, src, into both classes' operands, rounded as the pass rounds
+    (`quantize.folded_mx`); returns their row scales times sm_scale. Each
+    thread holds whole 32-element blocks, so block maxima need no shuffles."""
+    NB: gl.constexpr = HEAD_DIM // 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 32], [32 // NB, NB], [4, 1], [1, 0])
+    x = src.load(layout).to(gl.float32).reshape([ROWS, NB, 32])
+    amax, bad = block_amax(x)
+    qs_lo = _quantized_q_class(x, amax, bad, q_lo, sm_scale, LO_FMT, RCEIL, HEAD_DIM, row_layout)
+    if ONE_CLASS:
+        qs_hi = qs_lo
+    else:
+        qs_hi = _quantized_q_class(x, amax, bad, q_hi, sm_scale, HI_FMT, RCEIL, HEAD_DIM, row_layout)
+    # The warpgroup's stores reach the tensor cores' (async) view of shared memory before any wgmma reads them.
+    fence_async_shared()
+    thread_barrier()
+    return qs_lo, qs_hi
+
+
+@gluon.jit
 def _row_scale(QS, row0, rows, Lq, sm_scale, KIND: gl.constexpr):
     if KIND == KIND_FOLDED:
         r = gl.load(QS + row0 + rows, mask=rows < Lq, other=0.0) * sm_scale
@@ -425,7 +468,8 @@ def _row_scale(QS, row0, rows, Lq, sm_scale, KIND: gl.constexpr):
 def _consumer(WG: gl.constexpr, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring,
               barriers, scalars, sched,
               TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
-              HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, PINGPONG: gl.constexpr,
+              HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, Q_IN_KERNEL: gl.constexpr, HI_FMT: gl.constexpr,
+              LO_FMT: gl.constexpr, RCEIL: gl.constexpr, PINGPONG: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr):
     """Consumer WG's 64 query rows of each of the program's tiles."""
@@ -436,26 +480,27 @@ def _consumer(WG: gl.constexpr, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, 
         # t = program + j * programs: this is the program's j-th tile.
         counts = _consume_tile(WG, m0, b, h, hk, t // gl.num_programs(0), counts, ptrs, q_smem, k_lo_ring,
                                k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, TILE, IS_CAUSAL,
-                               ONE_CLASS, PV_FP8,
-                               HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
-                               s_lo_layout, s_hi_layout, o_layout)
+                               ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, Q_IN_KERNEL, HI_FMT, LO_FMT, RCEIL,
+                               PINGPONG, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)
 
 
 @gluon.jit
 def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_ring, k_hi_ring,
                   ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars,
                   TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
-                  HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, PINGPONG: gl.constexpr,
+                  HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, Q_IN_KERNEL: gl.constexpr, HI_FMT: gl.constexpr,
+                  LO_FMT: gl.constexpr, RCEIL: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr):
     """One tile's 64 rows: both precision classes on the Q tiles the producer
-    loaded, then the epilogue. j: the tile's place among the program's;
+    loaded (with Q_IN_KERNEL quantized here first, from the tile as given),
+    then the epilogue. j: the tile's place among the program's;
     counts: the K rings' positions (low, high; the V ring's is their sum)
     and the ping-pong turn, carried from tile to tile."""
     q_ready, q_empty, k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns = barriers
     Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale = scalars
     QS_LO, QS_HI, VSCALE, O, o_strides = ptrs
-    q_lo_smem, q_hi_smem = q_smem
+    q_src_smem, q_lo_smem, q_hi_smem = q_smem
     k_lo_count, k_hi_count, turn = counts
     row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = m0 + WG * ROWS + gl.arange(0, ROWS, layout=row_layout)
@@ -465,8 +510,14 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
                                                          TILE, IS_CAUSAL, ONE_CLASS)
     q_lo = q_lo_smem.index(WG).reshape([ROWS, HEAD_DIM])
     q_hi = q_hi_smem.index(WG).reshape([ROWS, HEAD_DIM])
-    qs_lo = _row_scale(QS_LO, row0, rows, Lq, sm_scale, LO_KIND)
-    mbarrier.wait(q_ready.index(WG), j & 1)
+    if Q_IN_KERNEL:
+        mbarrier.wait(q_ready.index(WG), j & 1)
+        qs_lo, qs_hi = _quantize_q(q_src_smem.index(WG).reshape([ROWS, HEAD_DIM]), q_lo, q_hi, sm_scale,
+                                   LO_FMT, HI_FMT, ONE_CLASS, RCEIL, HEAD_DIM, row_layout)
+    else:
+        qs_lo = _row_scale(QS_LO, row0, rows, Lq, sm_scale, LO_KIND)
+        qs_hi = _row_scale(QS_HI, row0, rows, Lq, sm_scale, HI_KIND)
+        mbarrier.wait(q_ready.index(WG), j & 1)
 
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
@@ -479,8 +530,7 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
     k_lo_count += n
     if not ONE_CLASS:
         acc, m_i, l_i, n_hi, turn = _consume_class(
-            acc, m_i, l_i, k_hi_count, k_lo_count + k_hi_count, turn, q_hi,
-            _row_scale(QS_HI, row0, rows, Lq, sm_scale, HI_KIND),
+            acc, m_i, l_i, k_hi_count, k_lo_count + k_hi_count, turn, q_hi, qs_hi,
             k_hi_ring, ks_hi_ring, k_hi_ready, k_hi_empty, v_ring, v_ready, v_empty, turns, rows, m0 + WG * ROWS, Lk,
             h0s, h0e, h1s, h1e, WG, HI_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
             s_hi_layout, o_layout)
@@ -505,22 +555,49 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
 
 
 @gluon.jit
+def _q_operand_smem(q_src_smem, FMT: gl.constexpr, HEAD_DIM: gl.constexpr, q8_layout: gl.constexpr):
+    """Where a class's Q operand lives when the kernel quantizes Q: the tiles
+    as given for format none, e4m3 tiles of their own otherwise (shaped as
+    the descriptors' blocks, [1, 1, ROWS, HEAD_DIM], per consumer)."""
+    if FMT == FMT_NONE:
+        r = q_src_smem
+    else:
+        r = gl.allocate_shared_memory(gl.float8e4nv, [2, 1, 1, ROWS, HEAD_DIM], q8_layout)
+    return r
+
+
+@gluon.jit
 def _dma_attention_gluon_kernel(
     QS_LO, QS_HI, VSCALE, O, so_b, so_h, so_l,
     q_lo_desc, q_hi_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc,
     sm_scale, Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES, N_TILES, N_M, HEADS, SECTION,
     HEAD_DIM: gl.constexpr, TILE: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
     ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    Q_IN_KERNEL: gl.constexpr, HI_FMT: gl.constexpr, LO_FMT: gl.constexpr, RCEIL: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr,
+    s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr, q8_layout: gl.constexpr,
 ):
     # Persistent: program p runs tiles p, p + P, p + 2P, ... of the P
     # programs, in `_tile_coords`' order.
-    q_lo_smem = gl.allocate_shared_memory(q_lo_desc.dtype, [2] + q_lo_desc.block_type.shape, q_lo_desc.layout)
-    if ONE_CLASS:
-        q_hi_smem = q_lo_smem
+    if Q_IN_KERNEL:
+        # The producer loads Q as given (q_lo_desc and q_hi_desc are both its
+        # descriptor); each consumer quantizes its tile into the classes' operands.
+        q_src_smem = gl.allocate_shared_memory(q_lo_desc.dtype, [2] + q_lo_desc.block_type.shape, q_lo_desc.layout)
+        q_lo_smem = _q_operand_smem(q_src_smem, LO_FMT, HEAD_DIM, q8_layout)
+        if ONE_CLASS:
+            q_hi_smem = q_lo_smem
+        else:
+            q_hi_smem = _q_operand_smem(q_src_smem, HI_FMT, HEAD_DIM, q8_layout)
+        q_loads = (q_src_smem, q_src_smem)
     else:
-        q_hi_smem = gl.allocate_shared_memory(q_hi_desc.dtype, [2] + q_hi_desc.block_type.shape, q_hi_desc.layout)
+        q_lo_smem = gl.allocate_shared_memory(q_lo_desc.dtype, [2] + q_lo_desc.block_type.shape, q_lo_desc.layout)
+        if ONE_CLASS:
+            q_hi_smem = q_lo_smem
+        else:
+            q_hi_smem = gl.allocate_shared_memory(q_hi_desc.dtype, [2] + q_hi_desc.block_type.shape,
+                                                  q_hi_desc.layout)
+        q_src_smem = q_lo_smem
+        q_loads = (q_lo_smem, q_hi_smem)
     k_lo_ring = gl.allocate_shared_memory(k_lo_desc.dtype, [STAGES] + k_lo_desc.block_type.shape, k_lo_desc.layout)
     if ONE_CLASS:
         k_hi_ring = k_lo_ring
@@ -557,18 +634,18 @@ def _dma_attention_gluon_kernel(
     ptrs = (QS_LO, QS_HI, VSCALE, O, (so_b, so_h, so_l))
     scalars = (Hq, Hk, Lq, Lk, SINK_TILES, DIAG_TILES, sm_scale)
     sched = (N_TILES, N_M, HEADS, SECTION)
-    q_smem = (q_lo_smem, q_hi_smem)
-    producer_args = ((q_lo_desc, q_hi_desc), k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_smem,
+    q_smem = (q_src_smem, q_lo_smem, q_hi_smem)
+    producer_args = ((q_lo_desc, q_hi_desc), k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_loads,
                      k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers,
                      (Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES),
-                     sched, TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, BLOCK_N, STAGES)
+                     sched, TILE, IS_CAUSAL, ONE_CLASS, Q_IN_KERNEL, PV_FP8, HI_KIND, LO_KIND, BLOCK_N, STAGES)
     gl.warp_specialize([
         (_consumer, (0, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, sched,
-                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
-                     s_lo_layout, s_hi_layout, o_layout)),
+                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, Q_IN_KERNEL, HI_FMT, LO_FMT, RCEIL,
+                     PINGPONG, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)),
         (_consumer, (1, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, sched,
-                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
-                     s_lo_layout, s_hi_layout, o_layout)),
+                     TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, Q_IN_KERNEL, HI_FMT, LO_FMT, RCEIL,
+                     PINGPONG, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)),
         (_producer, producer_args),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -607,6 +684,7 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
 
     q_lo = descriptor(qi.q_lo.values, ROWS.value)
     q_hi = q_lo if qi.q_hi.values is qi.q_lo.values else descriptor(qi.q_hi.values, ROWS.value)
+    q_block = [1, 1, ROWS.value, d]
     k_lo = descriptor(qi.k_lo.values, block_n)
     k_hi = k_lo if qi.k_hi.values is qi.k_lo.values else descriptor(qi.k_hi.values, block_n)
     # FP8 V^T in wgmma's key order: the last keys' columns may lie past Lk, in the zeroed padding.
@@ -638,9 +716,17 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         N_TILES=n_m * b * hq, N_M=n_m, HEADS=b * hq, SECTION=tile_sections(hq, hk, lk, key_bytes, b * hq),
         HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,
         PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), PINGPONG=pingpong, BLOCK_N=block_n, STAGES=stages,
+        Q_IN_KERNEL=not qi.q_quantized, HI_FMT=_fmt(policy.hi), LO_FMT=_fmt(policy.lo),
+        RCEIL=policy.scale_rule == "rceil",
         s_lo_layout=s_layout(lo_kind), s_hi_layout=s_layout(hi_kind),
         o_layout=gl.NVMMADistributedLayout([3, 0], [4, 1], [16, dv, 32 if pv_fp8 else 16]),
+        q8_layout=gl.NVMMASharedLayout.get_default_for(q_block, gl.float8e4nv),
     )
+
+
+def _fmt(fmt: str) -> int:
+    """The element format code (`codes`) of a policy format, FMT_NONE for none."""
+    return MX_FORMAT_CODES.get(fmt, FMT_NONE.value)
 
 
 _KS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -680,8 +766,12 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
                          **variant) -> torch.Tensor:
     """DMA attention on validated SDPA-style inputs (see ops.dma_attention).
 
-    variant: block_n, stages, pingpong, programs (benchmarks and tests); raises
-    Unsupported for calls `unsupported_reason` names."""
+    variant: block_n, stages, pingpong, programs, q_prologue (benchmarks and
+    tests); raises Unsupported for calls `unsupported_reason` names."""
+    variant = dict(variant)
+    q_prologue = variant.pop("q_prologue", False)
+    if q_prologue and not can_quantize_q(policy):
+        raise ValueError("q_prologue: the kernel cannot quantize a rotated or balanced Q; the pass does")
     reason = unsupported_reason(q, k, v, attn_mask, is_causal, policy)
     if reason is not None:
         raise Unsupported(reason)
@@ -690,14 +780,30 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
     LIMITS["sm90_gluon"].check(q, v, scale)
     k, v = collapse_expanded_heads(k, v)
     shape = (b, hq, k.shape[1], lq, k.shape[2], d, v.shape[-1])
-    qi = quantize_inputs(q, k, v, policy, is_causal=is_causal, v_wgmma_order=True)
+    qi = quantize_inputs(q, k, v, policy, is_causal=is_causal, **pass_options(q_prologue))
     return gluon_attention_from_quantized(qi, shape, is_causal, scale, policy, **variant)
+
+
+def can_quantize_q(policy: AttentionPolicy) -> bool:
+    """Whether the kernel can quantize Q itself, in its prologue (the
+    `q_prologue` variant): for policies that neither rotate nor balance Q
+    (those transforms stay in the pass). Not the default: on an H100 the
+    prologue cost the kernel more than it saved the pass (BENCHMARKS.md,
+    2026-12-06, "Q quantized in the kernel's prologue")."""
+    return policy.rotate == "none" and not (policy.balance_qk and policy.uses_mx)
+
+
+def pass_options(q_prologue: bool = False) -> dict:
+    """What this kernel asks of the quantization pass (`attention_sm90.quantize_inputs`):
+    V^T in wgmma's key order, and Q unless the kernel's prologue quantizes it."""
+    return {"v_wgmma_order": True, "quantize_q": not q_prologue}
 
 
 def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
                                    **variant) -> torch.Tensor:
     """The attention kernel alone, on the quantization pass's output
-    (`attention_sm90.quantize_inputs`, with v_wgmma_order for FP8 P·V).
+    (`attention_sm90.quantize_inputs` with `pass_options`: V^T in wgmma's key
+    order for FP8 P·V; Q as given where the kernel quantizes it, or quantized).
     shape: (B, Hq, Hkv, Lq, Lk, D, Dv).
 
     Without an explicit `block_n` the kernel takes 128 keys per block, or 64
@@ -760,12 +866,14 @@ def compile_sm90_gluon(policy: AttentionPolicy, *, dtype: str = "bfloat16", head
     """Compile the Gluon kernel for sm_90a on any machine, GPU or not (CI's
     check of its machinery), specialised as a launch on (1, 8, 1024, head_dim)
     queries and (1, 2, 1024, head_dim) keys and values would be. Returns
-    Triton's compiled kernel (`.asm` holds "ttgir", "ptx", "cubin")."""
+    Triton's compiled kernel (`.asm` holds "ttgir", "ptx", "cubin").
+    variant: as for `attention_sm90_gluon`."""
     from dma_compile.kernels.target_compile import compile_for_target
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     b, hq, hk, length, d = COMPILE_SHAPE + (head_dim,)
-    qi = placeholder_inputs(policy, torch_dtype, head_dim)
+    variant = dict(variant)
+    qi = placeholder_inputs(policy, torch_dtype, head_dim, q_quantized=not variant.pop("q_prologue", False))
     out = empty_output(b, hq, length, d, torch_dtype, "cpu")
     args = _kernel_args(qi, out, (b, hq, hk, length, length, d, d), is_causal, 1.0 / math.sqrt(d), policy, **variant)
     return compile_for_target(_dma_attention_gluon_kernel, args, capability, 4, 1,

@@ -83,25 +83,41 @@ from dma_compile.kernels.numerics import (
 
 
 @triton.jit
+def folded_mx(x, amax, bad, FMT: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr):
+    """Folded MX of x (tokens, D // 32, 32) with its blocks' `block_amax`:
+    the e4m3 bits (uint8) and each token's power-of-two exponent. Shared by
+    the token pass and the Gluon kernel's Q prologue, so both round alike."""
+    s = scale_exponent(amax, FMT, RCEIL)
+    elem = on_element_grid(x * pow2(-s)[:, :, None], FMT, HW_CVT)
+    emax, _ = mx_limits(FMT)
+    # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
+    a = tl.max(tl.where(bad, 128, s), axis=1) + (emax - 8)
+    shift = tl.maximum(s - a[:, None], -126)
+    bits = e4m3_code(elem * pow2(shift)[:, :, None], HW_CVT)
+    return tl.where(bad[:, :, None], 0x7F, bits), a
+
+
+@triton.jit
+def folded_scale(a):
+    """2^a for a folded exponent, clamped to float32's normal range (`Operand.scales`)."""
+    return pow2(tl.minimum(tl.maximum(a, -126), 127))
+
+
+@triton.jit
 def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, SCALES, out_offs, row_offs,
                  FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
                  HW_CVT: tl.constexpr):
     """MX-quantize x (tokens, D // 32, 32) with its blocks' `block_amax`; store
     the exact or folded form (and, with POW2, the folded exponents' powers of two)."""
-    s = scale_exponent(amax, FMT, RCEIL)
-    elem = on_element_grid(x * pow2(-s)[:, :, None], FMT, HW_CVT)
     if FOLDED:
-        emax, _ = mx_limits(FMT)
-        # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
-        a = tl.max(tl.where(bad, 128, s), axis=1) + (emax - 8)
-        shift = tl.maximum(s - a[:, None], -126)
-        bits = e4m3_code(elem * pow2(shift)[:, :, None], HW_CVT)
-        bits = tl.where(bad[:, :, None], 0x7F, bits)
+        bits, a = folded_mx(x, amax, bad, FMT, RCEIL, HW_CVT)
         tl.store(OUT + out_offs, bits, mask=ok)
         tl.store(EXPS + row_offs, a, mask=row_ok)
         if POW2:
-            tl.store(SCALES + row_offs, pow2(tl.minimum(tl.maximum(a, -126), 127)), mask=row_ok)
+            tl.store(SCALES + row_offs, folded_scale(a), mask=row_ok)
     else:
+        s = scale_exponent(amax, FMT, RCEIL)
+        elem = on_element_grid(x * pow2(-s)[:, :, None], FMT, HW_CVT)
         # NaN before scaling (a bad block's elements could overflow); two
         # steps keep the power of two normal for s = -127.
         deq = (tl.where(bad[:, :, None], float("nan"), elem) * pow2(s + 1)[:, :, None]) * 0.5

@@ -54,7 +54,8 @@ def matmul_loops(sass: str) -> list[dict]:
     """The innermost loops that issue warpgroup matmuls (HGMMA for 16-bit
     operands, QGMMA for FP8, IGMMA for integers), each as
     its address range and the matmuls, local loads (LDL), local stores
-    (STL) and thread-block barriers (BAR.SYNC) in it.
+    (STL), thread-block barriers (BAR.SYNC) and index shuffles (SHFL.IDX:
+    values moving between threads, as a layout conversion does) in it.
 
     A loop is a backward branch and the code it jumps back over. Branches
     placed after the last EXIT are ptxas's out-of-line retry paths of
@@ -76,7 +77,7 @@ def matmul_loops(sass: str) -> list[dict]:
                  if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in with_mma)]
     return [{"start": lo, "end": hi, "matmuls": count(lo, hi, _WGMMA),
              "local_loads": count(lo, hi, r"\bLDL\b"), "local_stores": count(lo, hi, r"\bSTL\b"),
-             "barriers": count(lo, hi, r"\bBAR\.SYNC\b")}
+             "barriers": count(lo, hi, r"\bBAR\.SYNC\b"), "index_shuffles": count(lo, hi, r"\bSHFL\.IDX\b")}
             for lo, hi in sorted(set(innermost))]
 
 
