@@ -44,6 +44,14 @@ def test_tiny_run_has_every_variant_with_finite_numbers(bench, tmp_path, capsys)
     assert "target: compiled DMA TTFT >= 1.4x compiled SDPA at 16384 tokens: not measured" in printed
 
 
+def test_variants_run_in_the_given_order_and_are_compared_to_a_later_sdpa(bench, tmp_path):
+    out = tmp_path / "bench.json"
+    rows = bench.main(["--tiny", "--warmup", "0", "--repeats", "1", "--new-tokens", "3", "--variants", "dma,sdpa",
+                       "--out", str(out)])["rows"]
+    assert [r["variant"] for r in rows] == ["dma", "sdpa"]
+    assert 0 < rows[0]["logits_rel_err"] < 0.2 and math.isfinite(rows[0]["ttft_x_sdpa"]), rows[0]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
