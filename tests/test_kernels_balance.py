@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dma_compile.balancing import balance_exponents, counted_queries
-from dma_compile.kernels.balance import balance_factors, counted_from_arguments
+from dma_compile.kernels.balance import BLOCK_ROWS, balance_factors, channel_extremes, counted_from_arguments
 from dma_compile.policy import AttentionPolicy
 from dma_compile.reference import diagonal_offset, key_mean
 
@@ -43,3 +43,34 @@ def test_smoothing_policy_needs_the_mean():
     q, k = torch.randn(1, 2, 8, 32), torch.randn(1, 1, 8, 32)
     with pytest.raises(ValueError, match="key_mean"):
         balance_factors(q, k, AttentionPolicy(balance_qk=True), True)
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+@pytest.mark.parametrize("d", [64, 96])
+def test_channel_extremes_over_chunks_rows_and_groups(absolute, d, seed):
+    """Several chunks of rows per head (the last one partial), a head_dim that
+    is no power of two, NaN and +-Inf left out, rows kept per group of heads,
+    a channel whose every kept value is non-finite, a strided view."""
+    torch.manual_seed(seed)
+    b, h, hr, length = 2, 6, 3, 3 * BLOCK_ROWS + 7
+    x = (torch.randn(b, length, h, d) * 100).to(torch.bfloat16).transpose(1, 2)
+    x[0, 1, 5, 3], x[1, 4, 70, 9], x[0, 0, 2, 1] = float("nan"), float("inf"), float("-inf")
+    x[1, 2, :, 5] = float("nan")
+    rows = torch.rand(b, hr, length) > 0.4
+    top, bottom = channel_extremes(x, rows, absolute=absolute, chunk=BLOCK_ROWS)
+    kept = rows.repeat_interleave(h // hr, dim=1)[..., None] & torch.isfinite(x)
+    xf = x.float()
+    if absolute:
+        assert bottom is None
+        assert torch.equal(top, torch.where(kept, xf.abs(), 0.0).amax(dim=2))
+    else:
+        assert torch.equal(top, torch.where(kept, xf, float("-inf")).amax(dim=2))
+        assert torch.equal(bottom, torch.where(kept, xf, float("inf")).amin(dim=2))
+        assert top[1, 2, 5] == float("-inf") and bottom[1, 2, 5] == float("inf")
+    whole, _ = channel_extremes(x, None, absolute=True)
+    assert torch.equal(whole, torch.where(torch.isfinite(x), xf.abs(), 0.0).amax(dim=2))
+
+
+def test_channel_extremes_chunk_must_fit_the_step():
+    with pytest.raises(ValueError, match="chunk must be a multiple of"):
+        channel_extremes(torch.randn(1, 1, 8, 32), chunk=BLOCK_ROWS + 1)
