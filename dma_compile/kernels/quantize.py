@@ -442,12 +442,13 @@ def _token_block(d: int, rotating: bool = False) -> int:
     """Tokens per program of the token pass: 4096 elements, 32 per thread of
     4 warps, i.e. four 16-byte loads of a 16-bit input in flight each.
 
-    A rotating pass at D <= 128 takes at least 64 tokens: Triton then lays
-    each token's D / 32 blocks out in one thread (the 4 warps' 16 rows of
-    threads all go to tokens), so the butterfly moves data between two
-    lanes in one stage and never through shared memory (hadamard.py). At
-    D 256 that would be 128 values per thread (spills): 16 tokens, the
-    general butterfly.
+    A rotating pass at D <= 128 takes at least 64 tokens: Triton 3.6 then
+    lays each token's D / 32 blocks out in one thread (the 4 warps' 16 rows
+    of threads all go to tokens), so the butterfly moves data between two
+    lanes in one stage and never through shared memory (hadamard.py; Triton
+    3.9 spreads the blocks over lanes: more shuffles, still no shared
+    memory). At D 256 that would be 128 values per thread (spills): 16
+    tokens, the general butterfly.
     """
     if rotating and d <= 128:
         return max(64, 4096 // d)
