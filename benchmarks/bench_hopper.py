@@ -2,7 +2,9 @@
 
 First checks the Gluon kernel against the reference (CPU, exact math) on
 small awkward shapes, then times, on the same inputs in the same run with
-`triton.testing.do_bench` (median), stock SDPA (cuDNN on an H200), FA3 bf16
+`triton.testing.do_bench` (median), stock SDPA (cuDNN on an H200) on
+contiguous inputs (the ratios' base) and on inputs laid out as models pass
+them (`sdpa_model_layout`), FA3 bf16
 and FP8 when `fa3_fwd_interface` (PyPI `fa3-fwd`) imports, and the DMA
 kernels through CUDA-graph replay, quantization pass included. FA3 FP8 gets
 inputs cast to e4m3 with one scale per batch·head, its quantization not
@@ -128,10 +130,18 @@ def load_baseline(path):
     return module
 
 
+def model_layout(x: torch.Tensor) -> torch.Tensor:
+    """x (B, H, S, D) with the memory of a (B, S, H, D) tensor, as transformers passes Q, K and V."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def methods_for(q, k, v, causal, variants, names, baseline=None):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # FA3 takes (B, S, H, D)
-    found = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                            enable_gqa=q.shape[1] != k.shape[1])}
+    gqa = q.shape[1] != k.shape[1]
+    qm, km, vm = (model_layout(x) for x in (q, k, v))
+    found = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
+             # cuDNN's speed depends on the layout (BENCHMARKS.md, 2026-12-06): models pass (B, S, H, D) memory.
+             "sdpa_model_layout": lambda: F.scaled_dot_product_attention(qm, km, vm, is_causal=causal, enable_gqa=gqa)}
     flash = fa3()
     if flash is not None:
         found["fa3_bf16"] = lambda: flash(qt, kt, vt, causal=causal)
