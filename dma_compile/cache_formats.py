@@ -13,6 +13,13 @@ row of `head_dim` values):
 Decoding is exact in bf16/fp16 (an e4m3 or e2m1 value times a power of two)
 except far outside their normal ranges. The decode kernel reads these bytes
 directly; this module is the ground truth it is tested against.
+
+Where a store keeps the tokens' payloads: token after token, (B, H, capacity,
+bytes), except V in e4m3, kept in blocks of `KEY_BLOCK` tokens with each
+block's channels in rows, (B, H, blocks, head_dim, KEY_BLOCK). P·V's operand
+takes pairs of keys per channel: from token rows the decode kernel gathered
+them byte by byte, from key blocks it loads whole vectors. A payload's rank
+says which layout it has (`tokens`, `write_tokens`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,50 @@ def payload_shape(fmt: str, head_dim: int) -> tuple[int, int]:
     if fmt == "mxfp8_e4m3":
         return head_dim, 1
     return head_dim // 2, head_dim // BLOCK_SIZE
+
+
+KEY_BLOCK = 32
+
+
+def in_key_blocks(fmt: str, role: str) -> bool:
+    """Whether a store of `role` ("k" or "v") in `fmt` keeps its payload in key blocks."""
+    return role == "v" and fmt == "mxfp8_e4m3"
+
+
+def payload_store_shape(fmt: str, role: str, head_dim: int, capacity: int) -> tuple[int, ...]:
+    """The payload tensor's shape after (batch, heads) for `capacity` tokens."""
+    elems, _ = payload_shape(fmt, head_dim)
+    if in_key_blocks(fmt, role):
+        return (-(-capacity // KEY_BLOCK), elems, KEY_BLOCK)
+    return (capacity, elems)
+
+
+def tokens(payload: torch.Tensor) -> torch.Tensor:
+    """A store's payload token after token, (B, H, tokens, bytes): itself, or
+    a copy of a key-block store (all its blocks' tokens)."""
+    if payload.dim() == 5:
+        return payload.transpose(-1, -2).flatten(2, 3)
+    return payload
+
+
+def write_tokens(payload: torch.Tensor, encoded: torch.Tensor, positions: torch.Tensor,
+                 batch_index: torch.Tensor | None = None) -> None:
+    """Store encoded tokens at `positions` of a payload, in place.
+
+    batch_index None: every sequence, encoded (B, H, len(positions), bytes);
+    else token i goes to sequence batch_index[i] at positions[i], encoded (n, H, bytes).
+    Tensor operations only (no host sync), so it records into CUDA graphs."""
+    if payload.dim() == 5:
+        block, slot = positions // KEY_BLOCK, positions % KEY_BLOCK
+        if batch_index is None:
+            # Advanced indices apart put their dimension first: (tokens, B, H, bytes).
+            payload[:, :, block, :, slot] = encoded.permute(2, 0, 1, 3)
+        else:
+            payload[batch_index, :, block, :, slot] = encoded
+    elif batch_index is None:
+        payload.index_copy_(2, positions, encoded)
+    else:
+        payload[batch_index, :, positions] = encoded
 
 
 def bytes_per_token(fmt: str, head_dim: int, input_dtype: torch.dtype) -> int:
@@ -93,11 +144,12 @@ def stored_values(
 ) -> torch.Tensor:
     """Float32 (B, H, max_length, D) values a store (dma_compile.kv_cache) holds.
 
-    payload/scales: every position in `fmt`; high (B, H, sink + recent, D) or
+    payload/scales: every position in `fmt` (payload in either layout); high (B, H, sink + recent, D) or
     None: the sinks and recent window in the input dtype, which win where they
     apply (position < sink or >= lengths[b] - recent). Positions past a
     sequence's length read whatever is stored there.
     """
+    payload = tokens(payload[:, :, : -(-max_length // KEY_BLOCK)] if payload.dim() == 5 else payload)
     head_dim = payload.shape[-1] * (2 if fmt == "mxfp4_e2m1" else 1)
     scales = None if scales is None else scales[:, :, :max_length]
     out = decode(payload[:, :, :max_length], scales, fmt, head_dim)

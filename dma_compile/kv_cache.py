@@ -44,7 +44,8 @@ def _positive_int(name: str, value) -> int:
 
 
 class QuantizedKV:
-    """KV cache of one layer: (batch, kv_heads, capacity, head_dim) in `policy`'s formats."""
+    """KV cache of one layer: (batch, kv_heads, capacity, head_dim) in `policy`'s
+    formats (payloads laid out as `cache_formats` says: V in e4m3 in key blocks)."""
 
     def __init__(
         self,
@@ -68,8 +69,8 @@ class QuantizedKV:
         quantized = (self.policy.cache_k, self.policy.cache_v) != ("none", "none")
         self.sink = self.policy.sink_tiles * self.policy.tile if quantized else 0
         self.recent = self.policy.recent_tokens if quantized else 0
-        self.k_payload, self.k_scales = self._alloc(self.policy.cache_k)
-        self.v_payload, self.v_scales = self._alloc(self.policy.cache_v)
+        self.k_payload, self.k_scales = self._alloc(self.policy.cache_k, "k")
+        self.v_payload, self.v_scales = self._alloc(self.policy.cache_v, "v")
         slots = self.sink + self.recent
         shape = (batch, kv_heads, slots, head_dim)
         self.hi_k = torch.zeros(shape, dtype=dtype, device=self.device) if slots else None
@@ -77,10 +78,12 @@ class QuantizedKV:
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self.max_length = 0
 
-    def _alloc(self, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        elems, scales = cache_formats.payload_shape(fmt, self.head_dim)
+    def _alloc(self, fmt: str, role: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _, scales = cache_formats.payload_shape(fmt, self.head_dim)
         lead = (self.batch, self.kv_heads, self.capacity)
-        payload = torch.zeros(*lead, elems, dtype=self.dtype if fmt == "none" else torch.uint8, device=self.device)
+        stored = cache_formats.payload_store_shape(fmt, role, self.head_dim, self.capacity)
+        payload = torch.zeros(*lead[:2], *stored, dtype=self.dtype if fmt == "none" else torch.uint8,
+                              device=self.device)
         if scales == 0:
             return payload, None
         per_token = () if fmt == "mxfp8_e4m3" else (scales,)
@@ -140,7 +143,7 @@ class QuantizedKV:
             (v, self.policy.cache_v, self.v_payload, self.v_scales),
         ):
             enc, sc = encode_cache_tokens(x[bi, :, ti], fmt, self.policy.scale_rule, impl)
-            payload[bi, :, p] = enc
+            cache_formats.write_tokens(payload, enc, p, bi)
             if sc is not None:
                 scales[bi, :, p] = sc
         if self.hi_k is not None:
@@ -170,7 +173,7 @@ class QuantizedKV:
             (v, self.policy.cache_v, self.v_payload, self.v_scales),
         ):
             enc, sc = encode_cache_tokens(x, fmt, self.policy.scale_rule, impl)
-            payload.index_copy_(2, p, enc)
+            cache_formats.write_tokens(payload, enc, p)
             if sc is not None:
                 scales.index_copy_(2, p, sc)
         if self.hi_k is not None:
@@ -200,12 +203,13 @@ class QuantizedKV:
             raise ValueError(f"capacity must be >= the cached length {self.max_length}, got {capacity}")
         old = {name: getattr(self, name) for name in ("k_payload", "k_scales", "v_payload", "v_scales")}
         self.capacity = capacity
-        self.k_payload, self.k_scales = self._alloc(self.policy.cache_k)
-        self.v_payload, self.v_scales = self._alloc(self.policy.cache_v)
+        self.k_payload, self.k_scales = self._alloc(self.policy.cache_k, "k")
+        self.v_payload, self.v_scales = self._alloc(self.policy.cache_v, "v")
         n = self.max_length
         for name, x in old.items():
             if x is not None:
-                getattr(self, name)[:, :, :n] = x[:, :, :n]
+                rows = -(-n // cache_formats.KEY_BLOCK) if x.dim() == 5 else n
+                getattr(self, name)[:, :, :rows] = x[:, :, :rows]
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as the cache holds them, float32 (batch, kv_heads, max_length,

@@ -44,3 +44,28 @@ def test_bytes_per_token():
         cache_formats.payload_shape("mxfp4_e2m1", 48)
     with pytest.raises(ValueError, match="cache format must be one of"):
         cache_formats.encode(torch.zeros(1, 32), "int8")
+
+
+def test_e4m3_values_are_stored_in_key_blocks(seed):
+    """V in e4m3 sits in blocks of KEY_BLOCK tokens, channel-major, so each
+    channel's keys are contiguous; every other store goes token after token."""
+    kb = cache_formats.KEY_BLOCK
+    assert cache_formats.payload_store_shape("mxfp8_e4m3", "v", 64, 70) == (3, 64, kb)
+    assert cache_formats.payload_store_shape("mxfp8_e4m3", "k", 64, 70) == (70, 64)
+    assert cache_formats.payload_store_shape("mxfp4_e2m1", "k", 64, 70) == (70, 32)
+    enc = torch.randint(0, 256, (2, 3, 40, 64), dtype=torch.uint8)
+    positions = torch.arange(5, 45)
+    store = torch.zeros(2, 3, 2, 64, kb, dtype=torch.uint8)
+    cache_formats.write_tokens(store, enc, positions)
+    p, c = 33, 17
+    assert store[1, 2, p // kb, c, p % kb] == enc[1, 2, p - 5, c]
+    assert torch.equal(cache_formats.tokens(store)[:, :, 5:45], enc)
+    assert not cache_formats.tokens(store)[:, :, :5].any()
+    # Token by token into chosen sequences, as appends of different lengths write.
+    store.zero_()
+    batch_index, at = torch.tensor([0, 1, 1]), torch.tensor([31, 32, 63])
+    cache_formats.write_tokens(store, enc[batch_index, :, torch.arange(3)], at, batch_index)
+    tokens = cache_formats.tokens(store)
+    for i, (b, pos) in enumerate(zip(batch_index.tolist(), at.tolist())):
+        assert torch.equal(tokens[b, :, pos], enc[b, :, i])
+    assert int(tokens.bool().any(dim=-1).sum()) == 3 * 3

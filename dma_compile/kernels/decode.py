@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dma_compile import cache_formats
 from dma_compile.kernels import Unsupported
 from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_NONE, LOG2E, MX_FORMAT_CODES
 from dma_compile.kernels.numerics import HW_CVT, INTERPRET, pow2_wide, to_f32
@@ -33,6 +34,8 @@ from dma_compile.kernels.quantize import key_keep_arguments
 # Cache format name -> element format code.
 CACHE_FORMAT_CODES = {"none": FMT_NONE.value, **{f: MX_FORMAT_CODES[f] for f in ("mxfp8_e4m3", "mxfp4_e2m1")}}
 HEAD_DIMS = (32, 64, 128, 256)
+# Keys per block of an e4m3 V store (cache_formats: channel-major within a block).
+KEY_BLOCK = tl.constexpr(cache_formats.KEY_BLOCK)
 MAX_ROWS = 128
 
 
@@ -59,23 +62,56 @@ def _e4m3_values(bits, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_times(codes, rel, HW_CVT: tl.constexpr):
-    """E2M1 codes (low 4 bits) times `rel`, a float32 power of two <= 1: in
-    fp16 on the GPU (a value more than 2^-24 below 1 flushes, the contribution
-    of a block that many binades below its token's largest), float32 under
-    the interpreter.
+def _e2m1_pairs_times(packed, rel, HW_CVT: tl.constexpr):
+    """The two E2M1 codes of each packed byte (low nibble: the even element)
+    times `rel`, a power of two <= 1 per element: in fp16 on the GPU (a value
+    more than 2^-24 below 1 flushes, the contribution of a block that many
+    binades below its token's largest), float32 under the interpreter.
 
-    The code's bits placed at the top of an fp16 (sign at 15, exponent and
-    mantissa at 9..11) are the e2m1 value times 2^-14 exactly, subnormals
-    included: no table, two integer operations.
+    A code's bits placed at the top of an fp16 (sign at 15, exponent and
+    mantissa at 9..11) are its value times 2^-14 exactly, subnormals
+    included: no table. On the GPU that runs four bytes at a time in 32-bit
+    registers (two byte permutes, then two shifts and masks per pair of
+    values); the interpreter, which runs no assembly, takes it element by
+    element.
     """
-    c = codes.to(tl.int16)
-    half = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
     if HW_CVT:
-        r = half * (rel * 16384.0).to(tl.float16)
+        even, odd = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, a, b;
+            prmt.b32 lo, $4, 0, 0x4140;
+            prmt.b32 hi, $4, 0, 0x4342;
+            shl.b32 a, lo, 9;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, lo, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 $0, a, b;
+            shl.b32 a, hi, 9;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, hi, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 $1, a, b;
+            shl.b32 a, lo, 5;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, lo, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 $2, a, b;
+            shl.b32 a, hi, 5;
+            and.b32 a, a, 0x0E000E00;
+            shl.b32 b, hi, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 $3, a, b;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        rel16 = (rel * 16384.0).to(tl.float16)
+        even = even * rel16
+        odd = odd * rel16
     else:
-        r = half.to(tl.float32) * 16384.0 * rel
-    return r
+        c = packed.to(tl.int16)
+        even = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0 * rel
+        c = c >> 4
+        odd = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0 * rel
+    return even, odd
 
 
 @triton.jit
@@ -112,8 +148,9 @@ def _scores(
         top = tl.max(sb, 2)
         rel = pow2_wide(sb.to(tl.int32) - top.to(tl.int32)[:, :, None])
         rel = tl.reshape(tl.broadcast_to(rel[:, :, :, None], (W, BLOCK_N, D // 32, 16)), (W, BLOCK_N, D // 2))
-        k_even = _operand(_e2m1_times(packed & 15, rel, HW_CVT), tl.float16, HW_CVT)
-        k_odd = _operand(_e2m1_times(packed >> 4, rel, HW_CVT), tl.float16, HW_CVT)
+        k_even, k_odd = _e2m1_pairs_times(packed, rel, HW_CVT)
+        k_even = _operand(k_even, tl.float16, HW_CVT)
+        k_odd = _operand(k_odd, tl.float16, HW_CVT)
         s = tl.dot(q_even, tl.trans(k_even, (0, 2, 1))) + tl.dot(q_odd, tl.trans(k_odd, (0, 2, 1)))
         s = s * q16_scale[None, :, None] * _scale_of(top)[:, None, :]
     else:
@@ -128,26 +165,52 @@ def _scores(
 
 
 @triton.jit
+def _key_block_bytes(vp, pos, ok, stride_vb, ALL_KEPT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The bytes (W, BLOCK_N, D) of the values at `pos` of a store in key
+    blocks (KEY_BLOCK keys, channel-major; stride_vb between blocks). Each warp's BLOCK_N keys are aligned and lie in one block, so
+    every channel's keys are contiguous: whole-vector loads, and P·V's operand
+    (pairs of keys per channel) forms without byte gathers. Unless ALL_KEPT,
+    keys outside `ok` read 0 (they may hold anything, NaN included), and a
+    warp with no key in `ok` reads nothing (its block may not exist)."""
+    first = tl.min(pos, 1)
+    # Each warp's first key is a multiple of BLOCK_N (decode_attention's alignment check).
+    base = tl.multiple_of(first // KEY_BLOCK * stride_vb + first % KEY_BLOCK, BLOCK_N)
+    addr = base[:, None, None] + tl.arange(0, D)[None, :, None] * KEY_BLOCK + tl.arange(0, BLOCK_N)[None, None, :]
+    if ALL_KEPT:
+        raw = tl.load(vp + addr)
+    else:
+        block_ok = tl.max(ok.to(tl.int32), 1) > 0
+        raw = tl.load(vp + addr, mask=block_ok[:, None, None], other=0)
+    raw = tl.trans(raw, (0, 2, 1))
+    if not ALL_KEPT:
+        raw = tl.where(ok[:, :, None], raw, 0)
+    return raw
+
+
+@triton.jit
 def _pv(
-    p, acc, vp, sb, pos, ok, stride_vt,
-    FMT: tl.constexpr, DTYPE: tl.constexpr, D: tl.constexpr, HW_CVT: tl.constexpr,
+    p, acc, vp, sb, pos, ok, stride_vt, ALL_KEPT: tl.constexpr,
+    FMT: tl.constexpr, DTYPE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """acc + p @ v for the values at `pos` (W, BLOCK_N) of a V store of format
     FMT (sb: their scale bytes, `_scale_bytes`); p and acc are (W, rows,
-    BLOCK_N) and (W, rows, D).
+    BLOCK_N) and (W, rows, D). An e4m3 store is in key blocks
+    (`_key_block_bytes`; stride_vt between blocks), a 16-bit one token after
+    token (stride_vt between tokens). ALL_KEPT: every key at pos is in `ok`.
 
     e4m3 values run in fp16 (see _scores). Their per-token scales 2^s split
     into each warp's largest, applied to the product, and 2^(s - largest) <= 1
     folded into p: p then fits fp16 whatever the scales (a padded position's
     byte 0 scales by 2^-127, never the largest)."""
-    d = tl.arange(0, D)
-    raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
     if FMT == FMT_E4M3:
+        raw = _key_block_bytes(vp, pos, ok, stride_vt, ALL_KEPT, D, BLOCK_N)
         scale = _scale_of(sb)
         top = tl.max(scale, 1)
         p = p * (scale / top[:, None])[:, None, :]
         r = acc + tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT)) * top[:, None, None]
     else:
+        d = tl.arange(0, D)
+        raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
         r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc)
     return r
 
@@ -218,7 +281,8 @@ def _step(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, :, None])
     l_i = l_i * alpha + tl.sum(p, 2)
-    acc = _pv(p, acc * alpha[:, :, None], vp, v_sb, slot, ok, stride_vt, V_FMT, q.dtype, D, HW_CVT)
+    acc = _pv(p, acc * alpha[:, :, None], vp, v_sb, slot, ok, stride_vt, not (MASKED or HAS_KEEP),
+              V_FMT, q.dtype, D, BLOCK_N, HW_CVT)
     return acc, m_new, l_i, k_sb_next, v_sb_next
 
 
@@ -417,8 +481,9 @@ def _gpu_config(head_dim: int) -> DecodeConfig:
 
 
 def _check_config(config: DecodeConfig) -> None:
-    if config.block_n < 16 or config.block_n & (config.block_n - 1):
-        raise ValueError(f"config: block_n must be a power of two >= 16, got {config.block_n}")
+    if config.block_n < 16 or config.block_n > KEY_BLOCK.value or config.block_n & (config.block_n - 1):
+        raise ValueError(f"config: block_n must be a power of two in 16..{KEY_BLOCK.value} (a warp's keys lie "
+                         f"in one key block of an e4m3 V store), got {config.block_n}")
     if config.chunk < config.block_n or config.chunk % config.block_n:
         raise ValueError(f"config: chunk must be a positive multiple of block_n ({config.block_n}), got {config.chunk}")
 
@@ -469,6 +534,14 @@ def decode_attention(
     _check_config(config)
     block_n, chunk = config.block_n, config.chunk
     has_hi = hi_k is not None
+    if v_fmt == "mxfp8_e4m3":
+        blocks = v_payload.shape[2] if v_payload.dim() == 5 else 0
+        if v_payload.dim() != 5 or v_payload.shape[3:] != (d, KEY_BLOCK.value) or v_payload.stride()[3:] != (KEY_BLOCK.value, 1):
+            raise Unsupported(f"the decode kernel reads an e4m3 V store in contiguous key blocks (B, H, blocks, {d}, "
+                              f"{KEY_BLOCK.value}), got {tuple(v_payload.shape)}")
+        if (sink if has_hi else 0) % KEY_BLOCK.value or blocks * KEY_BLOCK.value < max_length:
+            raise Unsupported(f"the decode kernel needs the sinks ({sink}) in whole key blocks of "
+                              f"{KEY_BLOCK.value} and a V store holding max_length ({max_length}) keys")
     middle = max_length - (sink if has_hi else 0)
     n_middle = triton.cdiv(max(middle, 0), chunk)
     n_chunks = n_middle + int(has_hi)
@@ -512,20 +585,20 @@ def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 
     would be. config: the launch (default: `default_config` of a GPU).
     Returns Triton's compiled kernel (`.asm` holds "ttgir", "ptx", "cubin");
     needs TRITON_INTERPRET unset."""
-    from dma_compile import cache_formats
     from dma_compile.kernels.target_compile import compile_for_target
 
     b, hkv, capacity, slots = 2, 8, 32768 + 64, 64
     block_m = max(16, triton.next_power_of_2(group * query_len))
     config = config or _gpu_config(head_dim)
 
-    def store(fmt):
-        elems, scales = cache_formats.payload_shape(fmt, head_dim)
-        payload = torch.empty(b, hkv, capacity, elems, dtype=dtype if fmt == "none" else torch.uint8)
+    def store(fmt, role):
+        _, scales = cache_formats.payload_shape(fmt, head_dim)
+        payload = torch.empty(b, hkv, *cache_formats.payload_store_shape(fmt, role, head_dim, capacity),
+                              dtype=dtype if fmt == "none" else torch.uint8)
         per_token = () if fmt == "mxfp8_e4m3" else (scales,)
         return payload, (torch.empty(b, hkv, capacity, *per_token, dtype=torch.uint8) if scales else payload)
 
-    (kp, ks), (vp, vs) = store(k_fmt), store(v_fmt)
+    (kp, ks), (vp, vs) = store(k_fmt, "k"), store(v_fmt, "v")
     q = torch.empty(b, hkv * group, query_len, head_dim, dtype=dtype)
     hi = torch.empty(b, hkv, slots, head_dim, dtype=dtype)
     part = torch.empty(1, dtype=torch.float32)
