@@ -15,11 +15,14 @@ except far outside their normal ranges. The decode kernel reads these bytes
 directly; this module is the ground truth it is tested against.
 
 Where a store keeps the tokens' payloads: token after token, (B, H, capacity,
-bytes), except V in e4m3, kept in blocks of `KEY_BLOCK` tokens with each
-block's channels in rows, (B, H, blocks, head_dim, KEY_BLOCK). P·V's operand
-takes pairs of keys per channel: from token rows the decode kernel gathered
-them byte by byte, from key blocks it loads whole vectors. A payload's rank
-says which layout it has (`tokens`, `write_tokens`).
+bytes), except V in e4m3 from head_dim `KEY_BLOCKS_FROM_HEAD_DIM`, kept in
+blocks of `KEY_BLOCK` tokens with each block's channels in rows, (B, H,
+blocks, head_dim, KEY_BLOCK). P·V's operand takes pairs of keys per channel:
+from token rows the decode kernel gathers them byte by byte, from key blocks
+it loads whole vectors but converts their layout through shared memory,
+which at smaller head_dims costs more than the gathers it saves
+(BENCHMARKS.md, decode). A payload's rank says which layout it has
+(`tokens`, `write_tokens`).
 """
 
 from __future__ import annotations
@@ -49,17 +52,18 @@ def payload_shape(fmt: str, head_dim: int) -> tuple[int, int]:
 
 
 KEY_BLOCK = 32
+KEY_BLOCKS_FROM_HEAD_DIM = 128
 
 
-def in_key_blocks(fmt: str, role: str) -> bool:
+def in_key_blocks(fmt: str, role: str, head_dim: int) -> bool:
     """Whether a store of `role` ("k" or "v") in `fmt` keeps its payload in key blocks."""
-    return role == "v" and fmt == "mxfp8_e4m3"
+    return role == "v" and fmt == "mxfp8_e4m3" and head_dim >= KEY_BLOCKS_FROM_HEAD_DIM
 
 
 def payload_store_shape(fmt: str, role: str, head_dim: int, capacity: int) -> tuple[int, ...]:
     """The payload tensor's shape after (batch, heads) for `capacity` tokens."""
     elems, _ = payload_shape(fmt, head_dim)
-    if in_key_blocks(fmt, role):
+    if in_key_blocks(fmt, role, head_dim):
         return (-(-capacity // KEY_BLOCK), elems, KEY_BLOCK)
     return (capacity, elems)
 

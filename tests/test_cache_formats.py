@@ -47,15 +47,17 @@ def test_bytes_per_token():
 
 
 def test_e4m3_values_are_stored_in_key_blocks(seed):
-    """V in e4m3 sits in blocks of KEY_BLOCK tokens, channel-major, so each
-    channel's keys are contiguous; every other store goes token after token."""
+    """V in e4m3 from head_dim 128 sits in blocks of KEY_BLOCK tokens,
+    channel-major, so each channel's keys are contiguous; every other store
+    goes token after token."""
     kb = cache_formats.KEY_BLOCK
-    assert cache_formats.payload_store_shape("mxfp8_e4m3", "v", 64, 70) == (3, 64, kb)
-    assert cache_formats.payload_store_shape("mxfp8_e4m3", "k", 64, 70) == (70, 64)
-    assert cache_formats.payload_store_shape("mxfp4_e2m1", "k", 64, 70) == (70, 32)
-    enc = torch.randint(0, 256, (2, 3, 40, 64), dtype=torch.uint8)
+    assert cache_formats.payload_store_shape("mxfp8_e4m3", "v", 128, 70) == (3, 128, kb)
+    assert cache_formats.payload_store_shape("mxfp8_e4m3", "v", 64, 70) == (70, 64)
+    assert cache_formats.payload_store_shape("mxfp8_e4m3", "k", 128, 70) == (70, 128)
+    assert cache_formats.payload_store_shape("mxfp4_e2m1", "k", 128, 70) == (70, 64)
+    enc = torch.randint(0, 256, (2, 3, 40, 128), dtype=torch.uint8)
     positions = torch.arange(5, 45)
-    store = torch.zeros(2, 3, 2, 64, kb, dtype=torch.uint8)
+    store = torch.zeros(2, 3, 2, 128, kb, dtype=torch.uint8)
     cache_formats.write_tokens(store, enc, positions)
     p, c = 33, 17
     assert store[1, 2, p // kb, c, p % kb] == enc[1, 2, p - 5, c]

@@ -254,35 +254,38 @@ def test_key_keep_is_checked():
             cache.attend(q, key_keep=bad)
 
 
-def test_garbage_past_the_length_reaches_no_row(seed):
-    """Values past each sequence's length (the rest of its last key block, and
-    whole blocks after it) may hold anything, NaN included: the kernel loads
-    whole blocks but zeroes the keys it does not count."""
+@pytest.mark.parametrize("d", [32, 128])
+def test_garbage_past_the_length_reaches_no_row(d, seed):
+    """Values past each sequence's length may hold anything, NaN included: in
+    key blocks (D128: the rest of the last block, and whole blocks after it)
+    the kernel loads whole blocks but zeroes the keys it does not count."""
     from dma_compile import cache_formats
 
     policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
-    cache = _cache(policy, 2, 1, 32, [45, 70], torch.bfloat16, capacity=128)
-    q = torch.randn(2, 2, 1, 32, device=DEVICE).bfloat16()
+    cache = _cache(policy, 2, 1, d, [45, 70], torch.bfloat16, capacity=128)
+    assert (cache.v_payload.dim() == 5) == (d >= cache_formats.KEY_BLOCKS_FROM_HEAD_DIM)
+    q = torch.randn(2, 2, 1, d, device=DEVICE).bfloat16()
     clean = _check(cache, q)
-    tokens = cache_formats.tokens(cache.v_payload)
+    tokens = cache_formats.tokens(cache.v_payload).clone()
     for b, length in enumerate(cache.lengths.tolist()):
         tokens[b, :, length:] = 0x7F  # e4m3 NaN
     kb = cache_formats.KEY_BLOCK
-    cache.v_payload.copy_(tokens.unflatten(2, (-1, kb)).transpose(-1, -2))
+    cache.v_payload.copy_(tokens.unflatten(2, (-1, kb)).transpose(-1, -2) if cache.v_payload.dim() == 5 else tokens)
     assert cache_formats.tokens(cache.v_payload)[0, :, 45:].eq(0x7F).all()
     torch.testing.assert_close(_check(cache, q), clean, atol=0, rtol=0)
 
 
-def test_values_in_key_blocks_are_required():
-    """An e4m3 V store token after token, or sinks that split a key block, go elsewhere (Unsupported)."""
-    from dma_compile import cache_formats
+def test_values_in_key_blocks_are_checked():
+    """A key-block store the kernel cannot read (not contiguous, too short, or
+    sinks that split a key block) goes elsewhere (Unsupported)."""
     from dma_compile.kernels import Unsupported
     from dma_compile.kernels.decode import decode_attention
 
-    c = _cache(BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3"), 1, 1, 32, [80], torch.bfloat16)
-    q = torch.randn(1, 1, 1, 32, device=DEVICE).bfloat16()
-    token_rows = cache_formats.tokens(c.v_payload).contiguous()
-    for v_payload, sink, match in [(token_rows, c.sink, "key blocks"), (c.v_payload, 16, "sinks")]:
+    c = _cache(BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3"), 1, 1, 128, [80], torch.bfloat16)
+    q = torch.randn(1, 1, 1, 128, device=DEVICE).bfloat16()
+    channels_last = c.v_payload.transpose(-1, -2).contiguous().transpose(-1, -2)
+    for v_payload, sink, match in [(channels_last, c.sink, "key blocks"), (c.v_payload[:, :, :2], c.sink, "max_length"),
+                                   (c.v_payload, 16, "sinks")]:
         with pytest.raises(Unsupported, match=match):
             decode_attention(q, c.k_payload, c.k_scales, v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths,
                              c.max_length, sink, c.recent, c.policy.cache_k, c.policy.cache_v)

@@ -167,9 +167,10 @@ def _scores(
 @triton.jit
 def _key_block_bytes(vp, pos, ok, stride_vb, ALL_KEPT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
     """The bytes (W, BLOCK_N, D) of the values at `pos` of a store in key
-    blocks (KEY_BLOCK keys, channel-major; stride_vb between blocks). Each warp's BLOCK_N keys are aligned and lie in one block, so
-    every channel's keys are contiguous: whole-vector loads, and P·V's operand
-    (pairs of keys per channel) forms without byte gathers. Unless ALL_KEPT,
+    blocks (KEY_BLOCK keys, channel-major; stride_vb between blocks). Each
+    warp's BLOCK_N keys are aligned and lie in one block, so every channel's
+    keys are contiguous: whole-vector loads, and P·V's operand (pairs of keys
+    per channel) forms without byte gathers. Unless ALL_KEPT,
     keys outside `ok` read 0 (they may hold anything, NaN included), and a
     warp with no key in `ok` reads nothing (its block may not exist)."""
     first = tl.min(pos, 1)
@@ -189,28 +190,30 @@ def _key_block_bytes(vp, pos, ok, stride_vb, ALL_KEPT: tl.constexpr, D: tl.const
 
 @triton.jit
 def _pv(
-    p, acc, vp, sb, pos, ok, stride_vt, ALL_KEPT: tl.constexpr,
+    p, acc, vp, sb, pos, ok, stride_vt, ALL_KEPT: tl.constexpr, V_BLOCKED: tl.constexpr,
     FMT: tl.constexpr, DTYPE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """acc + p @ v for the values at `pos` (W, BLOCK_N) of a V store of format
     FMT (sb: their scale bytes, `_scale_bytes`); p and acc are (W, rows,
-    BLOCK_N) and (W, rows, D). An e4m3 store is in key blocks
-    (`_key_block_bytes`; stride_vt between blocks), a 16-bit one token after
-    token (stride_vt between tokens). ALL_KEPT: every key at pos is in `ok`.
+    BLOCK_N) and (W, rows, D). With V_BLOCKED the store is in key blocks
+    (`_key_block_bytes`; stride_vt between blocks), else token after token
+    (stride_vt between tokens). ALL_KEPT: every key at pos is in `ok`.
 
     e4m3 values run in fp16 (see _scores). Their per-token scales 2^s split
     into each warp's largest, applied to the product, and 2^(s - largest) <= 1
     folded into p: p then fits fp16 whatever the scales (a padded position's
     byte 0 scales by 2^-127, never the largest)."""
-    if FMT == FMT_E4M3:
+    d = tl.arange(0, D)
+    if V_BLOCKED:
         raw = _key_block_bytes(vp, pos, ok, stride_vt, ALL_KEPT, D, BLOCK_N)
+    else:
+        raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
+    if FMT == FMT_E4M3:
         scale = _scale_of(sb)
         top = tl.max(scale, 1)
         p = p * (scale / top[:, None])[:, None, :]
         r = acc + tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT)) * top[:, None, None]
     else:
-        d = tl.arange(0, D)
-        raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
         r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc)
     return r
 
@@ -246,8 +249,8 @@ def _kept_bytes(sb, ok, OTHER: tl.constexpr, FMT: tl.constexpr):
 def _step(
     acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
     kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr, MASKED: tl.constexpr, HAS_KEEP: tl.constexpr,
-    D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, V_BLOCKED: tl.constexpr, RING: tl.constexpr, MASKED: tl.constexpr,
+    HAS_KEEP: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """One online-softmax step over W * BLOCK_N keys from n0 (see _attend_range);
     returns the state and the next step's scale bytes. Without MASKED every key
@@ -281,7 +284,7 @@ def _step(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, :, None])
     l_i = l_i * alpha + tl.sum(p, 2)
-    acc = _pv(p, acc * alpha[:, :, None], vp, v_sb, slot, ok, stride_vt, not (MASKED or HAS_KEEP),
+    acc = _pv(p, acc * alpha[:, :, None], vp, v_sb, slot, ok, stride_vt, not (MASKED or HAS_KEEP), V_BLOCKED,
               V_FMT, q.dtype, D, BLOCK_N, HW_CVT)
     return acc, m_new, l_i, k_sb_next, v_sb_next
 
@@ -290,7 +293,7 @@ def _step(
 def _attend_range(
     acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, end, visible, qpos, slot_base, ring, keep_row,
     kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr, RING: tl.constexpr, HAS_KEEP: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, V_BLOCKED: tl.constexpr, RING: tl.constexpr, HAS_KEEP: tl.constexpr,
     D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """Online softmax over keys [start, end), W independent streams: each step
@@ -314,12 +317,12 @@ def _attend_range(
         acc, m_i, l_i, k_sb, v_sb = _step(
             acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
             kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-            K_FMT, V_FMT, RING, False, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
+            K_FMT, V_FMT, V_BLOCKED, RING, False, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
     for n0 in tl.range(full_end, end, step, num_stages=1):
         acc, m_i, l_i, k_sb, v_sb = _step(
             acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
             kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
-            K_FMT, V_FMT, RING, True, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
+            K_FMT, V_FMT, V_BLOCKED, RING, True, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
     return acc, m_i, l_i
 
 
@@ -331,7 +334,7 @@ def _decode_split_kernel(
     svb, svh, svt, svsb, svsh, svst,
     shb, shh, sht,
     sm_scale, T, G, HKV, CHUNK, SINK, RECENT,
-    K_FMT: tl.constexpr, V_FMT: tl.constexpr, HAS_HI: tl.constexpr, HAS_KEEP: tl.constexpr,
+    K_FMT: tl.constexpr, V_FMT: tl.constexpr, V_BLOCKED: tl.constexpr, HAS_HI: tl.constexpr, HAS_KEEP: tl.constexpr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
@@ -394,20 +397,20 @@ def _decode_split_kernel(
             hv = HV + b * shb + h * shh
             acc, m_i, l_i = _attend_range(
                 acc, m_i, l_i, q, q, q, q16, q16_scale, 0, lo_start, visible, qpos, 0, 1, keep_row, hk, hk, hv, hv, sht, 0, sht,
-                0, sm_scale, 0, 0, False, HAS_KEEP, D, W, BLOCK_N, 1, HW_CVT)
+                0, sm_scale, 0, 0, False, False, HAS_KEEP, D, W, BLOCK_N, 1, HW_CVT)
             acc, m_i, l_i = _attend_range(
                 acc, m_i, l_i, q, q, q, q16, q16_scale, lo_end, length, visible, qpos, SINK, RECENT, keep_row, hk, hk, hv, hv,
-                sht, 0, sht, 0, sm_scale, 0, 0, True, HAS_KEEP, D, W, BLOCK_N, 1, HW_CVT)
+                sht, 0, sht, 0, sm_scale, 0, 0, False, True, HAS_KEEP, D, W, BLOCK_N, 1, HW_CVT)
         else:
             start = lo_start + (chunk - 1) * CHUNK
             acc, m_i, l_i = _attend_range(
                 acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(lo_end, start + CHUNK), visible, qpos, 0, 0,
-                keep_row, kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, HAS_KEEP, D, W, BLOCK_N, STAGES, HW_CVT)
+                keep_row, kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, V_BLOCKED, False, HAS_KEEP, D, W, BLOCK_N, STAGES, HW_CVT)
     else:
         start = chunk * CHUNK
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(length, start + CHUNK), visible, qpos, 0, 0,
-            keep_row, kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, False, HAS_KEEP, D, W, BLOCK_N, STAGES, HW_CVT)
+            keep_row, kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, V_BLOCKED, False, HAS_KEEP, D, W, BLOCK_N, STAGES, HW_CVT)
 
     # Merge the warps' streams, once per program.
     m = tl.max(m_i, 0)
@@ -534,11 +537,12 @@ def decode_attention(
     _check_config(config)
     block_n, chunk = config.block_n, config.chunk
     has_hi = hi_k is not None
-    if v_fmt == "mxfp8_e4m3":
-        blocks = v_payload.shape[2] if v_payload.dim() == 5 else 0
-        if v_payload.dim() != 5 or v_payload.shape[3:] != (d, KEY_BLOCK.value) or v_payload.stride()[3:] != (KEY_BLOCK.value, 1):
+    v_blocked = v_payload.dim() == 5
+    if v_blocked:
+        blocks = v_payload.shape[2]
+        if v_fmt != "mxfp8_e4m3" or v_payload.shape[3:] != (d, KEY_BLOCK.value) or v_payload.stride()[3:] != (KEY_BLOCK.value, 1):
             raise Unsupported(f"the decode kernel reads an e4m3 V store in contiguous key blocks (B, H, blocks, {d}, "
-                              f"{KEY_BLOCK.value}), got {tuple(v_payload.shape)}")
+                              f"{KEY_BLOCK.value}), got {v_fmt} {tuple(v_payload.shape)}")
         if (sink if has_hi else 0) % KEY_BLOCK.value or blocks * KEY_BLOCK.value < max_length:
             raise Unsupported(f"the decode kernel needs the sinks ({sink}) in whole key blocks of "
                               f"{KEY_BLOCK.value} and a V store holding max_length ({max_length}) keys")
@@ -564,7 +568,7 @@ def decode_attention(
         *v_payload.stride()[:3], *vs.stride()[:3],
         *hk.stride()[:3],
         sm_scale, t, group, hkv, chunk, sink, recent,
-        K_FMT=CACHE_FORMAT_CODES[k_fmt], V_FMT=CACHE_FORMAT_CODES[v_fmt], HAS_HI=has_hi,
+        K_FMT=CACHE_FORMAT_CODES[k_fmt], V_FMT=CACHE_FORMAT_CODES[v_fmt], V_BLOCKED=v_blocked, HAS_HI=has_hi,
         HAS_KEEP=has_keep, D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
         HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -611,7 +615,8 @@ def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 
         "LENGTHS": torch.empty(b, dtype=torch.int32), "KEEP": torch.empty(b, capacity, dtype=torch.uint8), "skeep": capacity, "O_PART": part, "LSE_PART": part,
         **dict(zip(names, strides)),
         "sm_scale": 0.1, "T": query_len, "G": group, "HKV": hkv, "CHUNK": config.chunk, "SINK": 32, "RECENT": 32,
-        "K_FMT": CACHE_FORMAT_CODES[k_fmt], "V_FMT": CACHE_FORMAT_CODES[v_fmt], "HAS_HI": True, "HAS_KEEP": False,
+        "K_FMT": CACHE_FORMAT_CODES[k_fmt], "V_FMT": CACHE_FORMAT_CODES[v_fmt], "V_BLOCKED": vp.dim() == 5,
+        "HAS_HI": True, "HAS_KEEP": False,
         "D": head_dim, "BLOCK_M": block_m, "W": config.num_warps, "BLOCK_N": config.block_n,
         "STAGES": config.num_stages, "HW_CVT": True,
     }
