@@ -189,13 +189,18 @@ def test_static_cache_under_torch_compile(seed):
 @pytest.mark.parametrize("cache_k", ["mxfp8_e4m3", "mxfp4_e2m1"])
 def test_static_cache_in_cuda_graphs(cache_k, seed):
     """On a GPU, the compiled decode step (mode="reduce-overhead": CUDA graphs
-    replaying the encode, rotation and decode kernels) generates the tokens
-    the eager static cache does, and replays rather than re-records."""
+    replaying the encode, rotation and decode kernels) replays the same
+    tokens every time and follows the eager static cache: logits within
+    bf16 noise, the same tokens up to the first step where eager's top two
+    logits are closer than that noise (Inductor's fused elementwise ops
+    around the attention round differently from eager's, so a near-tie may
+    break either way)."""
     policy = FP8.replace(cache_k=cache_k, rotate="signed_hadamard" if cache_k == "mxfp4_e2m1" else "none")
     dma_compile.hf.register(policy)
     dma = causal_lm("llama", "dma", seed, head_dim=64).to("cuda", torch.bfloat16)
     ids = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(seed)).cuda()
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
     with torch.no_grad():
         eager = dma.generate(ids, **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, policy, 90)), **kw)
         torch._dynamo.reset()
@@ -211,8 +216,16 @@ def test_static_cache_in_cuda_graphs(cache_k, seed):
         finally:
             dma.forward = forward
             torch._dynamo.reset()
-    for run in runs:
-        assert torch.equal(run, eager), f"seed {seed}"
+    for run in runs[1:]:
+        assert torch.equal(run.sequences, runs[0].sequences), f"seed {seed}"
+    noise = 0.03
+    for step, (e_scores, c_scores) in enumerate(zip(eager.scores, runs[0].scores)):
+        torch.testing.assert_close(c_scores.float(), e_scores.float(), atol=noise, rtol=0, msg=f"seed {seed}, step {step}")
+        e_tok, c_tok = eager.sequences[:, 70 + step], runs[0].sequences[:, 70 + step]
+        if not torch.equal(e_tok, c_tok):
+            top2 = e_scores.float().topk(2, dim=-1).values
+            assert (top2[:, 0] - top2[:, 1])[e_tok != c_tok].max() < 2 * noise, f"seed {seed}, step {step}"
+            break
 
 
 def test_compiled_chunked_prefill_into_a_static_cache_fails_loudly(seed):

@@ -8,6 +8,8 @@ from dma_compile.kernels.balance import BLOCK_ROWS, balance_factors, channel_ext
 from dma_compile.policy import AttentionPolicy
 from dma_compile.reference import diagonal_offset, key_mean
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("smooth_k", [True, False])
 @pytest.mark.parametrize("is_causal, lq, lk", [(True, 50, 50), (True, 30, 70), (False, 70, 40)])
@@ -17,14 +19,14 @@ def test_factors_are_the_references_exponents(smooth_k, is_causal, lq, lk, maske
     (left out), keys left out by key_keep and key_limit, a query layout."""
     torch.manual_seed(seed)
     b, hq, hkv, d = 2, 6, 2, 64
-    q = (torch.randn(b, lq, hq, d) * torch.exp2(torch.randint(-9, 10, (d,)).float())).to(torch.bfloat16)
+    q = (torch.randn(b, lq, hq, d) * torch.exp2(torch.randint(-9, 10, (d,)).float())).to(DEVICE, torch.bfloat16)
     q = q.transpose(1, 2)  # as transformers passes it
-    k = (torch.randn(b, hkv, lk, d) * torch.exp2(torch.randint(-9, 10, (d,)).float()) + 3).to(torch.bfloat16)
+    k = (torch.randn(b, hkv, lk, d) * torch.exp2(torch.randint(-9, 10, (d,)).float()) + 3).to(DEVICE, torch.bfloat16)
     q[0, 1, 4, 3], q[1, 5, 2, 7] = float("nan"), float("-inf")
     k[0, 0, 5, 3], k[1, 1, 8, 9], k[0, 1, 1, 1] = float("inf"), float("nan"), float("-inf")
     key_keep = key_limit = None
     if masked:
-        key_keep = (torch.rand(b, 1, lk) > 0.3).to(torch.uint8)
+        key_keep = (torch.rand(b, 1, lk) > 0.3).to(DEVICE, torch.uint8)
         key_limit = lk - 3
         k[:, :, -2:, 11] = 1e30  # only in keys past the limit: must not count
     policy = AttentionPolicy(smooth_k=smooth_k, balance_qk=True)
@@ -53,10 +55,10 @@ def test_channel_extremes_over_chunks_rows_and_groups(absolute, d, seed):
     a channel whose every kept value is non-finite, a strided view."""
     torch.manual_seed(seed)
     b, h, hr, length = 2, 6, 3, 3 * BLOCK_ROWS + 7
-    x = (torch.randn(b, length, h, d) * 100).to(torch.bfloat16).transpose(1, 2)
+    x = (torch.randn(b, length, h, d) * 100).to(DEVICE, torch.bfloat16).transpose(1, 2)
     x[0, 1, 5, 3], x[1, 4, 70, 9], x[0, 0, 2, 1] = float("nan"), float("inf"), float("-inf")
     x[1, 2, :, 5] = float("nan")
-    rows = torch.rand(b, hr, length) > 0.4
+    rows = (torch.rand(b, hr, length) > 0.4).to(DEVICE)
     top, bottom = channel_extremes(x, rows, absolute=absolute, chunk=BLOCK_ROWS)
     kept = rows.repeat_interleave(h // hr, dim=1)[..., None] & torch.isfinite(x)
     xf = x.float()
