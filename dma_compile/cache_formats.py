@@ -68,6 +68,20 @@ def payload_store_shape(fmt: str, role: str, head_dim: int, capacity: int) -> tu
     return (capacity, elems)
 
 
+def scale_store_shape(fmt: str, head_dim: int, capacity: int) -> tuple[int, ...] | None:
+    """The scale tensor's shape after (batch, heads) for `capacity` tokens, or
+    None for a format without scales (e4m3: one byte per token)."""
+    _, scales = payload_shape(fmt, head_dim)
+    if scales == 0:
+        return None
+    return (capacity,) if fmt == "mxfp8_e4m3" else (capacity, scales)
+
+
+def stored_rows(payload: torch.Tensor, n: int) -> int:
+    """How many leading rows (tokens, or key blocks) of a payload hold its first n tokens."""
+    return -(-n // KEY_BLOCK) if payload.dim() == 5 else n
+
+
 def tokens(payload: torch.Tensor) -> torch.Tensor:
     """A store's payload token after token, (B, H, tokens, bytes): itself, or
     a copy of a key-block store (all its blocks' tokens)."""
@@ -153,7 +167,7 @@ def stored_values(
     apply (position < sink or >= lengths[b] - recent). Positions past a
     sequence's length read whatever is stored there.
     """
-    payload = tokens(payload[:, :, : -(-max_length // KEY_BLOCK)] if payload.dim() == 5 else payload)
+    payload = tokens(payload[:, :, : stored_rows(payload, max_length)])
     head_dim = payload.shape[-1] * (2 if fmt == "mxfp4_e2m1" else 1)
     scales = None if scales is None else scales[:, :, :max_length]
     out = decode(payload[:, :, :max_length], scales, fmt, head_dim)

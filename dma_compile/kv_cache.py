@@ -79,15 +79,13 @@ class QuantizedKV:
         self.max_length = 0
 
     def _alloc(self, fmt: str, role: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _, scales = cache_formats.payload_shape(fmt, self.head_dim)
-        lead = (self.batch, self.kv_heads, self.capacity)
+        lead = (self.batch, self.kv_heads)
         stored = cache_formats.payload_store_shape(fmt, role, self.head_dim, self.capacity)
-        payload = torch.zeros(*lead[:2], *stored, dtype=self.dtype if fmt == "none" else torch.uint8,
-                              device=self.device)
-        if scales == 0:
+        payload = torch.zeros(*lead, *stored, dtype=self.dtype if fmt == "none" else torch.uint8, device=self.device)
+        scales = cache_formats.scale_store_shape(fmt, self.head_dim, self.capacity)
+        if scales is None:
             return payload, None
-        per_token = () if fmt == "mxfp8_e4m3" else (scales,)
-        return payload, torch.zeros(*lead, *per_token, dtype=torch.uint8, device=self.device)
+        return payload, torch.zeros(*lead, *scales, dtype=torch.uint8, device=self.device)
 
     def nbytes(self) -> int:
         """Bytes allocated, scales and the input-dtype part included."""
@@ -208,7 +206,7 @@ class QuantizedKV:
         n = self.max_length
         for name, x in old.items():
             if x is not None:
-                rows = -(-n // cache_formats.KEY_BLOCK) if x.dim() == 5 else n
+                rows = cache_formats.stored_rows(x, n)
                 getattr(self, name)[:, :, :rows] = x[:, :, :rows]
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,30 @@ def _e4m3_values(bits, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
     return r
 
 
+def _e2m1_pair_asm(dst: str, src: str, shift: int) -> str:
+    """PTX for two fp16s in `dst` from the bytes in the 16-bit halves of `src`:
+    shift 9 takes each byte's low nibble, 5 its high one (exponent and
+    mantissa to fp16 bits 9..11, the sign to bit 15)."""
+    return (f"shl.b32 a, {src}, {shift}; and.b32 a, a, 0x0E000E00; "
+            f"shl.b32 b, {src}, {shift + 3}; and.b32 b, b, 0x80008000; or.b32 {dst}, a, b; ")
+
+
+# Four packed bytes ($4) to eight fp16s: bytes 0, 1 spread into the halves of
+# `lo`, bytes 2, 3 into `hi`; low nibbles (even elements) to $0, $1, high
+# nibbles (odd elements) to $2, $3.
+_E2M1_PAIRS_ASM = tl.constexpr(
+    "{ .reg .b32 lo, hi, a, b; prmt.b32 lo, $4, 0, 0x4140; prmt.b32 hi, $4, 0, 0x4342; "
+    + "".join(_e2m1_pair_asm(dst, src, shift)
+              for dst, src, shift in (("$0", "lo", 9), ("$1", "hi", 9), ("$2", "lo", 5), ("$3", "hi", 5)))
+    + "}")
+
+
+@triton.jit
+def _e2m1_half_bits(codes):
+    """E2M1 codes (low 4 bits of int16) as fp16 bits worth the value times 2^-14."""
+    return (((codes & 7) << 9) | ((codes & 8) << 12)).to(tl.float16, bitcast=True)
+
+
 @triton.jit
 def _e2m1_pairs_times(packed, rel, HW_CVT: tl.constexpr):
     """The two E2M1 codes of each packed byte (low nibble: the even element)
@@ -71,46 +95,21 @@ def _e2m1_pairs_times(packed, rel, HW_CVT: tl.constexpr):
     A code's bits placed at the top of an fp16 (sign at 15, exponent and
     mantissa at 9..11) are its value times 2^-14 exactly, subnormals
     included: no table. On the GPU that runs four bytes at a time in 32-bit
-    registers (two byte permutes, then two shifts and masks per pair of
-    values); the interpreter, which runs no assembly, takes it element by
-    element.
+    registers (`_E2M1_PAIRS_ASM`: two byte permutes, then two shifts and
+    masks per pair of values); the interpreter, which runs no assembly, takes
+    it element by element.
     """
     if HW_CVT:
         even, odd = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo, hi, a, b;
-            prmt.b32 lo, $4, 0, 0x4140;
-            prmt.b32 hi, $4, 0, 0x4342;
-            shl.b32 a, lo, 9;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, lo, 12;
-            and.b32 b, b, 0x80008000;
-            or.b32 $0, a, b;
-            shl.b32 a, hi, 9;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, hi, 12;
-            and.b32 b, b, 0x80008000;
-            or.b32 $1, a, b;
-            shl.b32 a, lo, 5;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, lo, 8;
-            and.b32 b, b, 0x80008000;
-            or.b32 $2, a, b;
-            shl.b32 a, hi, 5;
-            and.b32 a, a, 0x0E000E00;
-            shl.b32 b, hi, 8;
-            and.b32 b, b, 0x80008000;
-            or.b32 $3, a, b;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            asm=_E2M1_PAIRS_ASM, constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16),
+            is_pure=True, pack=4)
         rel16 = (rel * 16384.0).to(tl.float16)
         even = even * rel16
         odd = odd * rel16
     else:
         c = packed.to(tl.int16)
-        even = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0 * rel
-        c = c >> 4
-        odd = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0 * rel
+        even = _e2m1_half_bits(c).to(tl.float32) * 16384.0 * rel
+        odd = _e2m1_half_bits(c >> 4).to(tl.float32) * 16384.0 * rel
     return even, odd
 
 
@@ -203,10 +202,10 @@ def _pv(
     into each warp's largest, applied to the product, and 2^(s - largest) <= 1
     folded into p: p then fits fp16 whatever the scales (a padded position's
     byte 0 scales by 2^-127, never the largest)."""
-    d = tl.arange(0, D)
     if V_BLOCKED:
         raw = _key_block_bytes(vp, pos, ok, stride_vt, ALL_KEPT, D, BLOCK_N)
     else:
+        d = tl.arange(0, D)
         raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
     if FMT == FMT_E4M3:
         scale = _scale_of(sb)
@@ -596,11 +595,10 @@ def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 
     config = config or _gpu_config(head_dim)
 
     def store(fmt, role):
-        _, scales = cache_formats.payload_shape(fmt, head_dim)
         payload = torch.empty(b, hkv, *cache_formats.payload_store_shape(fmt, role, head_dim, capacity),
                               dtype=dtype if fmt == "none" else torch.uint8)
-        per_token = () if fmt == "mxfp8_e4m3" else (scales,)
-        return payload, (torch.empty(b, hkv, capacity, *per_token, dtype=torch.uint8) if scales else payload)
+        scales = cache_formats.scale_store_shape(fmt, head_dim, capacity)
+        return payload, (payload if scales is None else torch.empty(b, hkv, *scales, dtype=torch.uint8))
 
     (kp, ks), (vp, vs) = store(k_fmt, "k"), store(v_fmt, "v")
     q = torch.empty(b, hkv * group, query_len, head_dim, dtype=dtype)
