@@ -196,6 +196,32 @@ def test_rotate_tokens_kernel_is_bit_exact(dtype, kind, seed):
         rotate_tokens(x, "walsh")
 
 
+@pytest.mark.parametrize("pattern", [(30, None, None, -30, 0, None, 20), (None, None, -40, -40, 0, 40, None)])
+def test_value_scales_far_apart_in_one_stream(pattern, seed):
+    """Steps of V tokens 2^70 apart, and steps of zero tokens (scale 2^-127)
+    after large ones, in one warp's stream: the accumulator's units
+    (kernels.decode._pv) neither overflow nor lose the small steps."""
+    from dma_compile.kernels.decode import DecodeConfig, decode_attention
+
+    policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
+    n = 32 + 64 * len(pattern) + 16
+    cache = QuantizedKV(1, 1, 32, n + 8, policy, torch.bfloat16, DEVICE)
+    k = torch.randn(1, 1, n, 32, device=DEVICE)
+    exps = [0] * 32 + [e for e in pattern for _ in range(64)] + [0] * 16
+    factor = torch.tensor([0.0 if e is None else 2.0 ** e for e in exps], device=DEVICE)
+    v = torch.randn(1, 1, n, 32, device=DEVICE) * factor[:, None]
+    cache.append(k.bfloat16(), v.bfloat16())
+    q = torch.randn(1, 2, 1, 32, device=DEVICE).bfloat16()
+    c = cache
+    config = DecodeConfig(block_n=16, chunk=64 * len(pattern), num_warps=4, num_stages=2)
+    out = decode_attention(q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths,
+                           c.max_length, c.sink, c.recent, c.policy.cache_k, c.policy.cache_v, config=config)
+    expected = decode_attention_math(q, *c.values(), c.lengths)
+    assert out.float().isfinite().all()
+    error = (out.float() - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert (error < 1e-2).all(), error
+
+
 @pytest.mark.parametrize("warps,block_n,chunk", [(1, 16, 32), (2, 16, 64), (4, 32, 128)])
 def test_warp_streams_match_reference(warps, block_n, chunk, seed):
     """Each warp keeps its own softmax stream, merged once per program: any

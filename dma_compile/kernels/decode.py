@@ -37,6 +37,9 @@ HEAD_DIMS = (32, 64, 128, 256)
 # Keys per block of an e4m3 V store (cache_formats: channel-major within a block).
 KEY_BLOCK = tl.constexpr(cache_formats.KEY_BLOCK)
 MAX_ROWS = 128
+# The smallest unit of an e4m3 V accumulator relative to the largest value
+# scale its warp has seen (`_pv`).
+V_UNIT_FLOOR = tl.constexpr(2.0 ** -64)
 
 
 @triton.jit
@@ -61,22 +64,21 @@ def _e4m3_values(bits, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
     return r
 
 
-def _e2m1_pair_asm(dst: str, src: str, shift: int) -> str:
-    """PTX for two fp16s in `dst` from the bytes in the 16-bit halves of `src`:
-    shift 9 takes each byte's low nibble, 5 its high one (exponent and
-    mantissa to fp16 bits 9..11, the sign to bit 15)."""
-    return (f"shl.b32 a, {src}, {shift}; and.b32 a, a, 0x0E000E00; "
-            f"shl.b32 b, {src}, {shift + 3}; and.b32 b, b, 0x80008000; or.b32 {dst}, a, b; ")
-
-
-# Four packed bytes ($4) to eight fp16s: bytes 0, 1 spread into the halves of
-# `lo`, bytes 2, 3 into `hi`; low nibbles (even elements) to $0, $1, high
-# nibbles (odd elements) to $2, $3.
+# Four packed bytes ($4) to eight fp16s, by way of e4m3: a code's bits placed
+# in an e4m3 byte (sign at 7, exponent and mantissa at 2..4) are its value
+# times 2^-6 exactly, subnormals included, and never e4m3's NaN; Hopper
+# converts two e4m3s to fp16 in one instruction. Low nibbles (even
+# elements) go to $0 (bytes 0, 1) and $1 (bytes 2, 3), high nibbles (odd
+# elements) to $2, $3.
 _E2M1_PAIRS_ASM = tl.constexpr(
-    "{ .reg .b32 lo, hi, a, b; prmt.b32 lo, $4, 0, 0x4140; prmt.b32 hi, $4, 0, 0x4342; "
-    + "".join(_e2m1_pair_asm(dst, src, shift)
-              for dst, src, shift in (("$0", "lo", 9), ("$1", "hi", 9), ("$2", "lo", 5), ("$3", "hi", 5)))
-    + "}")
+    "{ .reg .b32 e, o, t; .reg .b16 e0, e1, o0, o1; "
+    "shl.b32 e, $4, 2; and.b32 e, e, 0x1C1C1C1C; shl.b32 t, $4, 4; and.b32 t, t, 0x80808080; or.b32 e, e, t; "
+    "shr.b32 o, $4, 2; and.b32 o, o, 0x1C1C1C1C; and.b32 t, $4, 0x80808080; or.b32 o, o, t; "
+    "mov.b32 {e0, e1}, e; mov.b32 {o0, o1}, o; "
+    "cvt.rn.f16x2.e4m3x2 $0, e0; cvt.rn.f16x2.e4m3x2 $1, e1; "
+    "cvt.rn.f16x2.e4m3x2 $2, o0; cvt.rn.f16x2.e4m3x2 $3, o1; }")
+# What the unpacked values are worth: the code's value times this.
+E2M1_UNPACKED_SCALE = tl.constexpr(2.0 ** -6)
 
 
 @triton.jit
@@ -92,18 +94,16 @@ def _e2m1_pairs_times(packed, rel, HW_CVT: tl.constexpr):
     more than 2^-24 below 1 flushes, the contribution of a block that many
     binades below its token's largest), float32 under the interpreter.
 
-    A code's bits placed at the top of an fp16 (sign at 15, exponent and
-    mantissa at 9..11) are its value times 2^-14 exactly, subnormals
-    included: no table. On the GPU that runs four bytes at a time in 32-bit
-    registers (`_E2M1_PAIRS_ASM`: two byte permutes, then two shifts and
-    masks per pair of values); the interpreter, which runs no assembly, takes
-    it element by element.
+    On the GPU the codes become e4m3 bytes and then fp16, four packed bytes
+    at a time (`_E2M1_PAIRS_ASM`); the interpreter, which runs no assembly,
+    places each code's bits at the top of an fp16 (sign at 15, exponent and
+    mantissa at 9..11: its value times 2^-14 exactly, subnormals included).
     """
     if HW_CVT:
         even, odd = tl.inline_asm_elementwise(
             asm=_E2M1_PAIRS_ASM, constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16),
             is_pure=True, pack=4)
-        rel16 = (rel * 16384.0).to(tl.float16)
+        rel16 = (rel * (1.0 / E2M1_UNPACKED_SCALE)).to(tl.float16)
         even = even * rel16
         odd = odd * rel16
     else:
@@ -189,19 +189,25 @@ def _key_block_bytes(vp, pos, ok, stride_vb, ALL_KEPT: tl.constexpr, D: tl.const
 
 @triton.jit
 def _pv(
-    p, acc, vp, sb, pos, ok, stride_vt, ALL_KEPT: tl.constexpr, V_BLOCKED: tl.constexpr,
+    p, acc, alpha, v_unit, v_max, vp, sb, pos, ok, stride_vt, ALL_KEPT: tl.constexpr, V_BLOCKED: tl.constexpr,
     FMT: tl.constexpr, DTYPE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """acc + p @ v for the values at `pos` (W, BLOCK_N) of a V store of format
-    FMT (sb: their scale bytes, `_scale_bytes`); p and acc are (W, rows,
-    BLOCK_N) and (W, rows, D). With V_BLOCKED the store is in key blocks
+    """(acc * alpha + p @ v, v_unit, v_max) for the values at `pos` (W,
+    BLOCK_N) of a V store of format FMT (sb: their scale bytes,
+    `_scale_bytes`); p, acc and alpha are (W, rows, BLOCK_N), (W, rows, D)
+    and (W, rows). With V_BLOCKED the store is in key blocks
     (`_key_block_bytes`; stride_vt between blocks), else token after token
     (stride_vt between tokens). ALL_KEPT: every key at pos is in `ok`.
 
-    e4m3 values run in fp16 (see _scores). Their per-token scales 2^s split
-    into each warp's largest, applied to the product, and 2^(s - largest) <= 1
-    folded into p: p then fits fp16 whatever the scales (a padded position's
-    byte 0 scales by 2^-127, never the largest)."""
+    e4m3 values run in fp16 (see _scores) against p times 2^(s - u) <= 1
+    for a value's per-token scale 2^s, u each warp's largest s of the step:
+    p then fits fp16 whatever the scales (a padded position's byte 0 scales
+    by 2^-127, never the largest). Each warp's acc is then in units of 2^u
+    (`v_unit`, (W,)): rescaling it by alpha * 2^(u_old - u) lets the matmul
+    accumulate into it, with no multiply of the product. 2^u is kept above
+    2^-64 times the largest scale the warp has seen (`v_max`), so that a
+    step of tiny or zero values cannot blow acc's units up (the ratio of
+    the units stays a power of two: exact)."""
     if V_BLOCKED:
         raw = _key_block_bytes(vp, pos, ok, stride_vt, ALL_KEPT, D, BLOCK_N)
     else:
@@ -209,12 +215,16 @@ def _pv(
         raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
     if FMT == FMT_E4M3:
         scale = _scale_of(sb)
-        top = tl.max(scale, 1)
+        step_top = tl.max(scale, 1)
+        top = tl.maximum(step_top, v_max * V_UNIT_FLOOR)
         p = p * (scale / top[:, None])[:, None, :]
-        r = acc + tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT)) * top[:, None, None]
+        acc = acc * (alpha * (v_unit / top)[:, None])[:, :, None]
+        r = tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT), acc)
+        v_unit = top
+        v_max = tl.maximum(v_max, step_top)
     else:
-        r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc)
-    return r
+        r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc * alpha[:, :, None])
+    return r, v_unit, v_max
 
 
 @triton.jit
@@ -246,8 +256,8 @@ def _kept_bytes(sb, ok, OTHER: tl.constexpr, FMT: tl.constexpr):
 
 @triton.jit
 def _step(
-    acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
-    kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+    acc, m_i, l_i, v_unit, v_max, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring,
+    keep_row, kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, V_BLOCKED: tl.constexpr, RING: tl.constexpr, MASKED: tl.constexpr,
     HAS_KEEP: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
@@ -283,9 +293,9 @@ def _step(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, :, None])
     l_i = l_i * alpha + tl.sum(p, 2)
-    acc = _pv(p, acc * alpha[:, :, None], vp, v_sb, slot, ok, stride_vt, not (MASKED or HAS_KEEP), V_BLOCKED,
-              V_FMT, q.dtype, D, BLOCK_N, HW_CVT)
-    return acc, m_new, l_i, k_sb_next, v_sb_next
+    acc, v_unit, v_max = _pv(p, acc, alpha, v_unit, v_max, vp, v_sb, slot, ok, stride_vt, not (MASKED or HAS_KEEP),
+                             V_BLOCKED, V_FMT, q.dtype, D, BLOCK_N, HW_CVT)
+    return acc, m_new, l_i, v_unit, v_max, k_sb_next, v_sb_next
 
 
 @triton.jit
@@ -312,16 +322,21 @@ def _attend_range(
     lane = start + tl.arange(0, W)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     k_sb = _scale_bytes(ks, lane, lane < end, stride_ks, K_FMT, 127, D)
     v_sb = _scale_bytes(vs, lane, lane < end, stride_vs, V_FMT, 0, D)
+    # acc in units of v_unit per warp (_pv), in true units again on return.
+    v_unit = tl.full((W,), 1.0, tl.float32)
+    v_max = tl.zeros((W,), tl.float32)
     for n0 in tl.range(start, full_end, step, num_stages=STAGES):
-        acc, m_i, l_i, k_sb, v_sb = _step(
-            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
-            kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+        acc, m_i, l_i, v_unit, v_max, k_sb, v_sb = _step(
+            acc, m_i, l_i, v_unit, v_max, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base,
+            ring, keep_row, kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
             K_FMT, V_FMT, V_BLOCKED, RING, False, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
     for n0 in tl.range(full_end, end, step, num_stages=1):
-        acc, m_i, l_i, k_sb, v_sb = _step(
-            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
-            kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+        acc, m_i, l_i, v_unit, v_max, k_sb, v_sb = _step(
+            acc, m_i, l_i, v_unit, v_max, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base,
+            ring, keep_row, kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
             K_FMT, V_FMT, V_BLOCKED, RING, True, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
+    if V_FMT == FMT_E4M3:
+        acc = acc * v_unit[:, None, None]
     return acc, m_i, l_i
 
 
