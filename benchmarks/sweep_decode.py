@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024], help="keys per program")
+    parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps per thread (0: none)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     b, hq, hkv, n, d = args.shape
@@ -62,28 +63,29 @@ def main() -> None:
     sdpa_us = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     bf16_bytes = 2 * k.numel() * k.element_size()
     rows = []
-    grid = list(itertools.product(CACHES, args.block_n, args.warps, args.stages, args.chunks))
+    grid = list(itertools.product(CACHES, args.block_n, args.warps, args.stages, args.chunks, args.maxnreg))
     caches = {}
     for name in CACHES:
         cache = QuantizedKV(b, hkv, d, n, CACHES[name], k.dtype, k.device)
         for start in range(0, n, 8192):
             cache.append(k[:, :, start : start + 8192], v[:, :, start : start + 8192])
         caches[name] = (cache, decode_attention_math(q, *cache.values(), cache.lengths))
-    for name, bn, warps, stages, chunk in tqdm(grid, desc="decode configs"):
+    for name, bn, warps, stages, chunk, maxnreg in tqdm(grid, desc="decode configs"):
         cache, expected = caches[name]
-        config = DecodeConfig(block_n=bn, chunk=chunk, num_warps=warps, num_stages=stages)
+        config = DecodeConfig(block_n=bn, chunk=chunk, num_warps=warps, num_stages=stages, maxnreg=maxnreg or None)
+        launch = {"cache": name, "block_n": bn, "warps": warps, "stages": stages, "chunk": chunk, "maxnreg": maxnreg}
         try:
             fn = kernel_call(cache, q, config)
             err = ((fn().float() - expected).norm() / expected.norm()).item()
             us = bench(fn)
         except Exception as e:  # a configuration that does not compile (shared memory, registers): report it
-            rows.append({"cache": name, "block_n": bn, "warps": warps, "stages": stages, "chunk": chunk, "error": str(e)[:80]})
+            rows.append({**launch, "error": str(e)[:80]})
             continue
         if not err < 1e-2:
             sys.exit(f"{name} {config}: disagrees with the reference decode (rel {err:.3g})")
         stored = sum(t.numel() * t.element_size() for t in (cache.k_payload, cache.k_scales, cache.v_payload, cache.v_scales) if t is not None)
         rows.append({
-            "cache": name, "block_n": bn, "warps": warps, "stages": stages, "chunk": chunk, "us": us,
+            **launch, "us": us,
             "x_sdpa": sdpa_us / us, "TB/s": stored / us / 1e6, "rel_err": err,
         })
     print(f"shape B{b} H{hq}/{hkv} L{n} D{d}: sdpa {sdpa_us:.1f} us ({bf16_bytes / sdpa_us / 1e6:.2f} TB/s); "

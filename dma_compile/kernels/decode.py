@@ -467,13 +467,15 @@ def _decode_combine_kernel(
 class DecodeConfig:
     """Launch parameters of the split kernel: keys each warp takes per step (a
     step is num_warps * block_n keys, each warp an independent softmax
-    stream), keys per program (the split: a multiple of block_n), warps and
-    the pipeline stages of the payload loads."""
+    stream), keys per program (the split: a multiple of block_n), warps, the
+    pipeline stages of the payload loads, and a cap on registers per thread
+    (None: the compiler's choice), which sets how many programs share an SM."""
 
     block_n: int
     chunk: int
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = None
 
 
 def default_config(head_dim: int) -> DecodeConfig:
@@ -586,6 +588,7 @@ def decode_attention(
         HAS_KEEP=has_keep, D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
         HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
+        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
     out = torch.empty_like(q)
     _decode_combine_kernel[(b * hkv, group * t)](
@@ -633,4 +636,5 @@ def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 
         "D": head_dim, "BLOCK_M": block_m, "W": config.num_warps, "BLOCK_N": config.block_n,
         "STAGES": config.num_stages, "HW_CVT": True,
     }
-    return compile_for_target(_decode_split_kernel, args, capability, config.num_warps, config.num_stages)
+    return compile_for_target(_decode_split_kernel, args, capability, config.num_warps, config.num_stages,
+                              None if config.maxnreg is None else {"maxnreg": config.maxnreg})
