@@ -199,8 +199,9 @@ def test_rotate_tokens_kernel_is_bit_exact(dtype, kind, seed):
 @pytest.mark.parametrize("pattern", [(30, None, None, -30, 0, None, 20), (None, None, -40, -40, 0, 40, None)])
 def test_value_scales_far_apart_in_one_stream(pattern, seed):
     """Steps of V tokens 2^70 apart, and steps of zero tokens (scale 2^-127)
-    after large ones, in one warp's stream: the accumulator's units
-    (kernels.decode._pv) neither overflow nor lose the small steps."""
+    next to large ones, in one warp's stream: the split of the value scales
+    that keeps P in fp16 (kernels.decode._pv) neither overflows nor loses a
+    step."""
     from dma_compile.kernels.decode import DecodeConfig, decode_attention
 
     policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")

@@ -37,9 +37,6 @@ HEAD_DIMS = (32, 64, 128, 256)
 # Keys per block of an e4m3 V store (cache_formats: channel-major within a block).
 KEY_BLOCK = tl.constexpr(cache_formats.KEY_BLOCK)
 MAX_ROWS = 128
-# The smallest unit of an e4m3 V accumulator relative to the largest value
-# scale its warp has seen (`_pv`).
-V_UNIT_FLOOR = tl.constexpr(2.0 ** -64)
 
 
 @triton.jit
@@ -189,25 +186,19 @@ def _key_block_bytes(vp, pos, ok, stride_vb, ALL_KEPT: tl.constexpr, D: tl.const
 
 @triton.jit
 def _pv(
-    p, acc, alpha, v_unit, v_max, vp, sb, pos, ok, stride_vt, ALL_KEPT: tl.constexpr, V_BLOCKED: tl.constexpr,
+    p, acc, vp, sb, pos, ok, stride_vt, ALL_KEPT: tl.constexpr, V_BLOCKED: tl.constexpr,
     FMT: tl.constexpr, DTYPE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """(acc * alpha + p @ v, v_unit, v_max) for the values at `pos` (W,
-    BLOCK_N) of a V store of format FMT (sb: their scale bytes,
-    `_scale_bytes`); p, acc and alpha are (W, rows, BLOCK_N), (W, rows, D)
-    and (W, rows). With V_BLOCKED the store is in key blocks
+    """acc + p @ v for the values at `pos` (W, BLOCK_N) of a V store of format
+    FMT (sb: their scale bytes, `_scale_bytes`); p and acc are (W, rows,
+    BLOCK_N) and (W, rows, D). With V_BLOCKED the store is in key blocks
     (`_key_block_bytes`; stride_vt between blocks), else token after token
     (stride_vt between tokens). ALL_KEPT: every key at pos is in `ok`.
 
-    e4m3 values run in fp16 (see _scores) against p times 2^(s - u) <= 1
-    for a value's per-token scale 2^s, u each warp's largest s of the step:
-    p then fits fp16 whatever the scales (a padded position's byte 0 scales
-    by 2^-127, never the largest). Each warp's acc is then in units of 2^u
-    (`v_unit`, (W,)): rescaling it by alpha * 2^(u_old - u) lets the matmul
-    accumulate into it, with no multiply of the product. 2^u is kept above
-    2^-64 times the largest scale the warp has seen (`v_max`), so that a
-    step of tiny or zero values cannot blow acc's units up (the ratio of
-    the units stays a power of two: exact)."""
+    e4m3 values run in fp16 (see _scores). Their per-token scales 2^s split
+    into each warp's largest, applied to the product, and 2^(s - largest) <= 1
+    folded into p: p then fits fp16 whatever the scales (a padded position's
+    byte 0 scales by 2^-127, never the largest)."""
     if V_BLOCKED:
         raw = _key_block_bytes(vp, pos, ok, stride_vt, ALL_KEPT, D, BLOCK_N)
     else:
@@ -215,16 +206,12 @@ def _pv(
         raw = tl.load(vp + pos[:, :, None] * stride_vt + d[None, None, :], mask=ok[:, :, None], other=0)
     if FMT == FMT_E4M3:
         scale = _scale_of(sb)
-        step_top = tl.max(scale, 1)
-        top = tl.maximum(step_top, v_max * V_UNIT_FLOOR)
+        top = tl.max(scale, 1)
         p = p * (scale / top[:, None])[:, None, :]
-        acc = acc * (alpha * (v_unit / top)[:, None])[:, :, None]
-        r = tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT), acc)
-        v_unit = top
-        v_max = tl.maximum(v_max, step_top)
+        r = acc + tl.dot(_operand(p, tl.float16, HW_CVT), _e4m3_values(raw, tl.float16, HW_CVT)) * top[:, None, None]
     else:
-        r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc * alpha[:, :, None])
-    return r, v_unit, v_max
+        r = tl.dot(_operand(p, DTYPE, HW_CVT), _operand(raw, DTYPE, HW_CVT), acc)
+    return r
 
 
 @triton.jit
@@ -256,8 +243,8 @@ def _kept_bytes(sb, ok, OTHER: tl.constexpr, FMT: tl.constexpr):
 
 @triton.jit
 def _step(
-    acc, m_i, l_i, v_unit, v_max, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring,
-    keep_row, kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+    acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
+    kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, V_BLOCKED: tl.constexpr, RING: tl.constexpr, MASKED: tl.constexpr,
     HAS_KEEP: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr,
 ):
@@ -293,9 +280,9 @@ def _step(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, :, None])
     l_i = l_i * alpha + tl.sum(p, 2)
-    acc, v_unit, v_max = _pv(p, acc, alpha, v_unit, v_max, vp, v_sb, slot, ok, stride_vt, not (MASKED or HAS_KEEP),
-                             V_BLOCKED, V_FMT, q.dtype, D, BLOCK_N, HW_CVT)
-    return acc, m_new, l_i, v_unit, v_max, k_sb_next, v_sb_next
+    acc = _pv(p, acc * alpha[:, :, None], vp, v_sb, slot, ok, stride_vt, not (MASKED or HAS_KEEP), V_BLOCKED,
+              V_FMT, q.dtype, D, BLOCK_N, HW_CVT)
+    return acc, m_new, l_i, k_sb_next, v_sb_next
 
 
 @triton.jit
@@ -322,21 +309,16 @@ def _attend_range(
     lane = start + tl.arange(0, W)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     k_sb = _scale_bytes(ks, lane, lane < end, stride_ks, K_FMT, 127, D)
     v_sb = _scale_bytes(vs, lane, lane < end, stride_vs, V_FMT, 0, D)
-    # acc in units of v_unit per warp (_pv), in true units again on return.
-    v_unit = tl.full((W,), 1.0, tl.float32)
-    v_max = tl.zeros((W,), tl.float32)
     for n0 in tl.range(start, full_end, step, num_stages=STAGES):
-        acc, m_i, l_i, v_unit, v_max, k_sb, v_sb = _step(
-            acc, m_i, l_i, v_unit, v_max, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base,
-            ring, keep_row, kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+        acc, m_i, l_i, k_sb, v_sb = _step(
+            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
+            kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
             K_FMT, V_FMT, V_BLOCKED, RING, False, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
     for n0 in tl.range(full_end, end, step, num_stages=1):
-        acc, m_i, l_i, v_unit, v_max, k_sb, v_sb = _step(
-            acc, m_i, l_i, v_unit, v_max, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base,
-            ring, keep_row, kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
+        acc, m_i, l_i, k_sb, v_sb = _step(
+            acc, m_i, l_i, k_sb, v_sb, q, q_even, q_odd, q16, q16_scale, n0, end, qpos, slot_base, ring, keep_row,
+            kp, ks, vp, vs, stride_kt, stride_ks, stride_vt, stride_vs, sm_scale,
             K_FMT, V_FMT, V_BLOCKED, RING, True, HAS_KEEP, D, W, BLOCK_N, HW_CVT)
-    if V_FMT == FMT_E4M3:
-        acc = acc * v_unit[:, None, None]
     return acc, m_i, l_i
 
 
@@ -479,10 +461,9 @@ class DecodeConfig:
 
 
 def default_config(head_dim: int) -> DecodeConfig:
-    """The launch used unless one is given. On a GPU: chosen from the sm_90a
-    machine code (registers, shared memory, instructions per key; not yet
-    timed: benchmarks/sweep_decode.py on an H200 should confirm or replace
-    it). The interpreter takes small steps.
+    """The launch used unless one is given. On a GPU: from sweeps of
+    benchmarks/sweep_decode.py on an H100 with Triton 3.6 (BENCHMARKS.md,
+    2026-12-06, night); the interpreter takes small steps.
 
     The split is a fixed number of keys, never derived from the batch or its
     longest sequence: chunk boundaries then sit at the same positions whatever
@@ -494,8 +475,13 @@ def default_config(head_dim: int) -> DecodeConfig:
 
 
 def _gpu_config(head_dim: int) -> DecodeConfig:
+    # Up to head_dim 64, 168 registers let three programs share an SM (two at
+    # the compiler's choice); at 128 a program needs 255 whatever the cap,
+    # and 4096 keys per program leave fewer programs for a last, partial round.
+    if head_dim <= 64:
+        return DecodeConfig(block_n=32, chunk=2048, num_warps=4, num_stages=3, maxnreg=168)
     if head_dim <= 128:
-        return DecodeConfig(block_n=32, chunk=2048, num_warps=4, num_stages=3)
+        return DecodeConfig(block_n=32, chunk=4096, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=16, chunk=2048, num_warps=4, num_stages=2)
 
 
