@@ -196,6 +196,58 @@ def test_rotate_tokens_kernel_is_bit_exact(dtype, kind, seed):
         rotate_tokens(x, "walsh")
 
 
+def _run_ptx(asm: str, inputs: dict) -> dict:
+    """The integer and e4m3-conversion PTX of the decode kernel's inline
+    assembly, evaluated on Python ints: registers hold 32 (or 16) bits;
+    `cvt.rn.f16x2.e4m3x2` yields the pair of its bytes' values (low byte
+    first), read through torch's float8_e4m3fn."""
+    regs = dict(inputs)
+
+    def val(x):
+        return int(x, 0) if x[0].isdigit() else regs[x]
+
+    for statement in asm.replace("{", " ").replace("}", " ").split(";"):
+        parts = statement.replace(",", " ").split()
+        if not parts or parts[0] == ".reg":
+            continue
+        op, dst, *src = parts
+        if op == "shl.b32":
+            regs[dst] = (val(src[0]) << val(src[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[dst] = val(src[0]) >> val(src[1])
+        elif op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            regs[dst] = val(src[0]) | val(src[1])
+        elif op == "mov.b32":
+            # mov.b32 {lo, hi}, word
+            regs[dst], regs[src[0]] = val(src[1]) & 0xFFFF, val(src[1]) >> 16
+        elif op == "cvt.rn.f16x2.e4m3x2":
+            pair = torch.tensor([val(src[0]) & 0xFF, val(src[0]) >> 8], dtype=torch.uint8)
+            regs[dst] = tuple(pair.view(torch.float8_e4m3fn).float().tolist())
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return regs
+
+
+def test_e2m1_unpack_assembly_decodes_every_byte():
+    """The GPU's e2m1 unpack (inline PTX the interpreter cannot run), checked
+    on the CPU: four packed bytes give the even and odd elements of each,
+    worth E2M1_UNPACKED_SCALE times the codes' values, for all 256 bytes."""
+    from dma_compile.formats import _unpack_e2m1
+    from dma_compile.kernels.decode import _E2M1_PAIRS_ASM, E2M1_UNPACKED_SCALE
+
+    # Every byte once, in an order that gives each word four different ones.
+    data = torch.randperm(256, generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    expected = _unpack_e2m1(torch.arange(256, dtype=torch.uint8)).reshape(256, 2) * E2M1_UNPACKED_SCALE.value
+    for word in data.reshape(64, 4).tolist():
+        regs = _run_ptx(_E2M1_PAIRS_ASM.value, {"$4": word[0] | word[1] << 8 | word[2] << 16 | word[3] << 24})
+        even = [*regs["$0"], *regs["$1"]]
+        odd = [*regs["$2"], *regs["$3"]]
+        assert even == expected[word, 0].tolist(), word
+        assert odd == expected[word, 1].tolist(), word
+
+
 @pytest.mark.parametrize("pattern", [(30, None, None, -30, 0, None, 20), (None, None, -40, -40, 0, 40, None)])
 def test_value_scales_far_apart_in_one_stream(pattern, seed):
     """Steps of V tokens 2^70 apart, and steps of zero tokens (scale 2^-127)
