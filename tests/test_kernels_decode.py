@@ -348,8 +348,7 @@ def test_garbage_past_the_length_reaches_no_row(d, seed):
     tokens = cache_formats.tokens(cache.v_payload).clone()
     for b, length in enumerate(cache.lengths.tolist()):
         tokens[b, :, length:] = 0x7F  # e4m3 NaN
-    kb = cache_formats.KEY_BLOCK
-    cache.v_payload.copy_(tokens.unflatten(2, (-1, kb)).transpose(-1, -2) if cache.v_payload.dim() == 5 else tokens)
+    cache_formats.write_tokens(cache.v_payload, tokens, torch.arange(tokens.shape[2], device=DEVICE))
     assert cache_formats.tokens(cache.v_payload)[0, :, 45:].eq(0x7F).all()
     torch.testing.assert_close(_check(cache, q), clean, atol=0, rtol=0)
 

@@ -459,6 +459,10 @@ class DecodeConfig:
     num_stages: int = 2
     maxnreg: int | None = None
 
+    def compile_options(self) -> dict:
+        """Triton compile options beyond warps and stages (a launch's keyword arguments)."""
+        return {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
+
 
 def default_config(head_dim: int) -> DecodeConfig:
     """The launch used unless one is given. On a GPU: from sweeps of
@@ -574,7 +578,7 @@ def decode_attention(
         HAS_KEEP=has_keep, D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
         HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
+        **config.compile_options(),
     )
     out = torch.empty_like(q)
     _decode_combine_kernel[(b * hkv, group * t)](
@@ -623,4 +627,4 @@ def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 
         "STAGES": config.num_stages, "HW_CVT": True,
     }
     return compile_for_target(_decode_split_kernel, args, capability, config.num_warps, config.num_stages,
-                              None if config.maxnreg is None else {"maxnreg": config.maxnreg})
+                              config.compile_options())
