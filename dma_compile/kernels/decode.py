@@ -85,11 +85,10 @@ def _e2m1_half_bits(codes):
 
 
 @triton.jit
-def _e2m1_pairs_times(packed, rel, HW_CVT: tl.constexpr):
-    """The two E2M1 codes of each packed byte (low nibble: the even element)
-    times `rel`, a power of two <= 1 per element: in fp16 on the GPU (a value
-    more than 2^-24 below 1 flushes, the contribution of a block that many
-    binades below its token's largest), float32 under the interpreter.
+def _e2m1_pairs(packed, HW_CVT: tl.constexpr):
+    """The two E2M1 codes of each packed byte (low nibble: the even element),
+    each worth its value times E2M1_UNPACKED_SCALE (exact): fp16 on the GPU,
+    float32 under the interpreter.
 
     On the GPU the codes become e4m3 bytes and then fp16, four packed bytes
     at a time (`_E2M1_PAIRS_ASM`); the interpreter, which runs no assembly,
@@ -100,13 +99,10 @@ def _e2m1_pairs_times(packed, rel, HW_CVT: tl.constexpr):
         even, odd = tl.inline_asm_elementwise(
             asm=_E2M1_PAIRS_ASM, constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16),
             is_pure=True, pack=4)
-        rel16 = (rel * (1.0 / E2M1_UNPACKED_SCALE)).to(tl.float16)
-        even = even * rel16
-        odd = odd * rel16
     else:
         c = packed.to(tl.int16)
-        even = _e2m1_half_bits(c).to(tl.float32) * 16384.0 * rel
-        odd = _e2m1_half_bits(c >> 4).to(tl.float32) * 16384.0 * rel
+        even = _e2m1_half_bits(c).to(tl.float32) * (16384.0 * E2M1_UNPACKED_SCALE)
+        odd = _e2m1_half_bits(c >> 4).to(tl.float32) * (16384.0 * E2M1_UNPACKED_SCALE)
     return even, odd
 
 
@@ -129,26 +125,28 @@ def _scores(
     """sm_scale * q @ k^T (float32, (W, rows, BLOCK_N)) for the keys at `pos`
     (W, BLOCK_N) of a K store of format FMT (kp: this sequence and head's
     payload base pointer; sb: the keys' scale bytes, `_scale_bytes`); q
-    operands are (W, rows, D or D/2), one copy per warp. q16_scale holds
-    sm_scale already.
+    operands are (W, rows, D), one copy per warp, and for MXFP4 keys tuples
+    of D / 32 (W, rows, 16): q16's even and odd elements per key block.
+    q16_scale holds sm_scale already.
 
-    Quantized keys multiply q16 = q / q16_scale in fp16 (q_even, q_odd: its
-    even and odd elements): e4m3 converts to fp16 in one instruction per
-    pair, to bf16 in two more, and the products are exact in both. An MXFP4
-    token's block scales split into the token's largest, applied to the
-    scores, and each block's 2^(scale - largest) <= 1 folded into its
-    elements, which then fit fp16."""
+    Quantized keys multiply q16 = q / q16_scale in fp16: e4m3 converts to
+    fp16 in one instruction per pair, to bf16 in two more, and the products
+    are exact in both. MXFP4 keys take one product per 32-element block,
+    scaled by the block's scale in float32: the unpacked codes enter the
+    matmul as they are (scaling each element would put them in a layout
+    that has to change, through shared memory, on the way to the matmul)."""
     if FMT == FMT_E2M1:
-        dh = tl.arange(0, D // 2)
-        packed = tl.load(kp + pos[:, :, None] * stride_kt + dh[None, None, :], mask=ok[:, :, None], other=0)
-        top = tl.max(sb, 2)
-        rel = pow2_wide(sb.to(tl.int32) - top.to(tl.int32)[:, :, None])
-        rel = tl.reshape(tl.broadcast_to(rel[:, :, :, None], (W, BLOCK_N, D // 32, 16)), (W, BLOCK_N, D // 2))
-        k_even, k_odd = _e2m1_pairs_times(packed, rel, HW_CVT)
-        k_even = _operand(k_even, tl.float16, HW_CVT)
-        k_odd = _operand(k_odd, tl.float16, HW_CVT)
-        s = tl.dot(q_even, tl.trans(k_even, (0, 2, 1))) + tl.dot(q_odd, tl.trans(k_odd, (0, 2, 1)))
-        s = s * q16_scale[None, :, None] * _scale_of(top)[:, None, :]
+        scales = _scale_of(sb)
+        which = tl.arange(0, D // 32)[None, None, :]
+        s = tl.zeros((W, q16.shape[1], BLOCK_N), dtype=tl.float32)
+        for blk in tl.static_range(D // 32):
+            dh = blk * 16 + tl.arange(0, 16)
+            packed = tl.load(kp + pos[:, :, None] * stride_kt + dh[None, None, :], mask=ok[:, :, None], other=0)
+            k_even, k_odd = _e2m1_pairs(packed, HW_CVT)
+            part = tl.dot(q_even[blk], tl.trans(k_even, (0, 2, 1))) + tl.dot(q_odd[blk], tl.trans(k_odd, (0, 2, 1)))
+            block_scale = tl.sum(tl.where(which == blk, scales, 0.0), 2)
+            s += part * block_scale[:, None, :]
+        s = s * (q16_scale * (1.0 / E2M1_UNPACKED_SCALE))[None, :, None]
     else:
         d = tl.arange(0, D)
         raw = tl.load(kp + pos[:, :, None] * stride_kt + d[None, None, :], mask=ok[:, :, None], other=0)
@@ -361,13 +359,20 @@ def _decode_split_kernel(
     q_down = pow2_wide(-q_exp)[:, None]
     q16 = _operand(q_f32 * q_down, tl.float16, HW_CVT)
     if K_FMT == FMT_E2M1:
-        # A packed e2m1 byte holds elements 2i (low nibble) and 2i + 1. Loaded
-        # again rather than split from q16: the split's layout costs the hot loop.
-        dh = tl.arange(0, D // 2)
-        q_even = tl.load(q_row[:, None] + 2 * dh[None, :], mask=row_ok[:, None], other=0.0)
-        q_even = _operand(to_f32(q_even, HW_CVT) * q_down, tl.float16, HW_CVT)
-        q_odd = tl.load(q_row[:, None] + 2 * dh[None, :] + 1, mask=row_ok[:, None], other=0.0)
-        q_odd = _operand(to_f32(q_odd, HW_CVT) * q_down, tl.float16, HW_CVT)
+        # A packed e2m1 byte holds elements 2i (low nibble) and 2i + 1: per
+        # 32-element block of the key, the query's 16 even and 16 odd elements.
+        # Loaded again rather than split from q16: the split's layout costs
+        # the hot loop.
+        q_even = ()
+        q_odd = ()
+        for blk in tl.static_range(D // 32):
+            dh = 2 * (blk * 16 + tl.arange(0, 16))
+            even = tl.load(q_row[:, None] + dh[None, :], mask=row_ok[:, None], other=0.0)
+            odd = tl.load(q_row[:, None] + dh[None, :] + 1, mask=row_ok[:, None], other=0.0)
+            q_even = q_even + (tl.broadcast_to(
+                _operand(to_f32(even, HW_CVT) * q_down, tl.float16, HW_CVT)[None], (W, BLOCK_M, 16)),)
+            q_odd = q_odd + (tl.broadcast_to(
+                _operand(to_f32(odd, HW_CVT) * q_down, tl.float16, HW_CVT)[None], (W, BLOCK_M, 16)),)
     else:
         q_even = q
         q_odd = q
@@ -375,8 +380,6 @@ def _decode_split_kernel(
     # matmuls then run on its own keys (see _attend_range).
     q = tl.broadcast_to(q[None], (W, BLOCK_M, D))
     q16 = tl.broadcast_to(q16[None], (W, BLOCK_M, D))
-    q_even = tl.broadcast_to(q_even[None], (W, BLOCK_M, q_even.shape[1]))
-    q_odd = tl.broadcast_to(q_odd[None], (W, BLOCK_M, q_odd.shape[1]))
 
     acc = tl.zeros((W, BLOCK_M, D), dtype=tl.float32)
     m_i = tl.full((W, BLOCK_M), float("-inf"), dtype=tl.float32)
