@@ -102,14 +102,16 @@ def to_e4m3(x, HW_CVT: tl.constexpr):
 def on_element_grid(x, FMT: tl.constexpr, HW_CVT: tl.constexpr):
     """round_element with the hardware fp8 cast for e4m3/e5m2 where HW_CVT.
 
-    Clamping first makes the saturation explicit (|x| above the largest normal
-    becomes it, as in `formats`) whatever the instruction does past it; the
-    widening back to float32 is exact. NaN gives an unspecified value.
+    Triton casts float32 to fp8 with `cvt.rn.satfinite` (sm_89 on): nearest
+    even, |x| above the largest normal becoming it, as in `formats`; the
+    offline compile test (tests/test_quantize_compile.py) holds it to that,
+    so no clamp precedes the cast. The widening back to float32 is exact.
+    NaN gives an unspecified value.
     """
     if HW_CVT and FMT == FMT_E4M3:
-        r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+        r = x.to(tl.float8e4nv).to(tl.float32)
     elif HW_CVT and FMT == FMT_E5M2:
-        r = tl.minimum(tl.maximum(x, -57344.0), 57344.0).to(tl.float8e5).to(tl.float32)
+        r = x.to(tl.float8e5).to(tl.float32)
     else:
         r = round_element(x, FMT)
     return r
@@ -117,10 +119,11 @@ def on_element_grid(x, FMT: tl.constexpr, HW_CVT: tl.constexpr):
 
 @triton.jit
 def e4m3_code(x, HW_CVT: tl.constexpr):
-    """e4m3(x) (nearest even, saturating) as uint8 bits: the clamped hardware
-    cast where HW_CVT, `e4m3_bits` otherwise. Not for NaN."""
+    """e4m3(x) (nearest even, saturating) as uint8 bits: the hardware cast
+    (saturating: see on_element_grid) where HW_CVT, `e4m3_bits` otherwise.
+    Not for NaN."""
     if HW_CVT:
-        r = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        r = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         r = e4m3_bits(x)
     return r

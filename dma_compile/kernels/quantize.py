@@ -529,6 +529,21 @@ def launch_tokens(plan: TokenPlan) -> None:
         launch(_quantize_tokens_kernel, (plan.blocks_per_head, plan.heads), **plan.args, num_warps=4)
 
 
+def compile_tokens(formats: tuple[str, ...], mx_mode: str = "folded", scale_rule: str = "rceil",
+                   rotate: str = "none", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                   capability: int = 90):
+    """Compile the token pass for CUDA compute capability `capability` (90:
+    sm_90a) on any machine, GPU or not, specialised as `launch_tokens` of a
+    plan over (1, 8, 4096, head_dim) tokens would be. Returns Triton's
+    compiled kernel (`.asm` holds "ttgir", "ptx", "cubin"); needs
+    TRITON_INTERPRET unset."""
+    from dma_compile.kernels.target_compile import compile_for_target
+
+    x = torch.empty(1, 8, 4096, head_dim, dtype=dtype)
+    plan = plan_tokens(x, formats, mx_mode, scale_rule, pow2_scales=True, rotate=rotate)
+    return compile_for_target(_quantize_tokens_kernel, plan.args, capability, 4, 3)
+
+
 def quantize_tokens(
     x: torch.Tensor,
     formats: tuple[str, ...],
