@@ -583,15 +583,13 @@ class KVStatistics:
 def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool) -> tuple[int, int, int]:
     """(keys per loop step, keys per chunk, chunks per head) of the statistics pass.
 
-    Measured on an H200 (BENCHMARKS.md): with K alone, 2048 elements per
-    step (16 per thread of 4 warps) and about 1024 programs; with K and V,
-    64 keys per step and about 2048 programs. At most 256 chunks per head
-    for the finalize kernel.
+    2048 elements of each tensor per step (16 per thread of 4 warps) and
+    about 1024 programs, with V as with K alone (BENCHMARKS.md: measured on
+    an H200 for K alone; with V on an H100, where 64 keys per step, 8192
+    elements, took all 255 registers and spilled). At most 256 chunks per
+    head for the finalize kernel.
     """
-    if with_v:
-        block_l, programs = max(1, min(64, 8192 // max(d, dv))), 2048
-    else:
-        block_l, programs = max(1, 2048 // d), 1024
+    block_l, programs = max(1, 2048 // max(d, dv if with_v else d)), 1024
     n_chunks = max(1, min(cdiv(length, block_l), cdiv(programs, b * h), 256))
     chunk = max(block_l, cdiv(cdiv(length, n_chunks), block_l) * block_l)
     return block_l, chunk, cdiv(length, chunk)
