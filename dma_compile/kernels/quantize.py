@@ -584,9 +584,10 @@ def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool) 
     """(keys per loop step, keys per chunk, chunks per head) of the statistics pass.
 
     2048 elements of each tensor per step (16 per thread of 4 warps) and
-    about 1024 programs, with V as with K alone (BENCHMARKS.md: measured on
-    an H200 for K alone; with V on an H100, where 64 keys per step, 8192
-    elements, took all 255 registers and spilled). At most 256 chunks per
+    about 1024 programs, with V as with K alone (measured on an H200 for K
+    alone). With V the step used to be 64 keys, which at head_dim 128 took
+    every register and spilled, and made the statistics launch the slowest
+    part of the pass (BENCHMARKS.md, 2026-12-06 late). At most 256 chunks per
     head for the finalize kernel.
     """
     block_l, programs = max(1, 2048 // max(d, dv if with_v else d)), 1024
