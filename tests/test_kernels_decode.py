@@ -76,6 +76,27 @@ def test_queries_outside_fp16s_range(k_fmt, q_scale, seed):
     assert torch.isfinite(out).all()
 
 
+def test_mxfp4_key_blocks_far_apart_all_count(seed):
+    """An MXFP4 key whose first block is 2^20 times its others, met by a
+    query 2^-20 times smaller there: every block adds alike to the score. The
+    kernel scales each block's product by the block's own scale; scaling the
+    elements of the smaller blocks to their token's largest instead would
+    flush them in fp16 on the GPU (the interpreter multiplies in float32)."""
+    policy = BASE.replace(cache_k="mxfp4_e2m1", cache_v="mxfp8_e4m3")
+    b, hkv, d, n = 2, 1, 128, 80
+    cache = QuantizedKV(b, hkv, d, n + 8, policy, torch.bfloat16, DEVICE)
+    far = torch.ones(d, device=DEVICE)
+    far[:32] = 2.0 ** 20
+    k = (torch.randn(b, hkv, n, d, device=DEVICE) * far).bfloat16()
+    cache.append(k, torch.randn(b, hkv, n, d, device=DEVICE).bfloat16())
+    q = (torch.randn(b, 4, 1, d, device=DEVICE) / far).bfloat16()
+    out = _check(cache, q, chunk=16)
+    # The small blocks carry most of each score: without them the output differs.
+    k_kept, v_kept = cache.values()
+    first_block_only = decode_attention_math(q, k_kept * (far > 1), v_kept, cache.lengths, None)
+    assert (out.float() - first_block_only).abs().max() > 0.1
+
+
 def test_chunking_does_not_change_the_result(seed):
     policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
     cache = _cache(policy, 1, 1, 32, [120], torch.bfloat16)
