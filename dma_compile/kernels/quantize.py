@@ -666,6 +666,13 @@ def kv_statistics(
         if alongside is not None:
             launch_tokens(alongside)
         return KVStatistics(None, None, None)
+    grid, args, stats = _statistics_launch(k, v, key_mean, value_scale, alongside, key_keep, key_limit)
+    launch(_kv_stats_kernel, grid, **args, num_warps=4)
+    return stats
+
+
+def _statistics_launch(k, v, key_mean, value_scale, alongside, key_keep, key_limit):
+    """(grid, arguments by name, outputs) of `kv_statistics`' launch."""
     b, h, full_length, d = k.shape
     dv = v.shape[-1]
     keep, skp_b, skp_h, has_keep = key_keep_arguments(key_keep, b, h, full_length, k)
@@ -681,20 +688,33 @@ def kv_statistics(
     mean = torch.empty(b, h, d, dtype=torch.float32, device=dev) if key_mean else None
     vexp = torch.empty(b, h, dv, dtype=torch.int32, device=dev) if value_scale else None
     vscale = torch.empty(b, h, dv, dtype=torch.float32, device=dev) if value_scale else None
-    done = zeros(b * h, dev)
     n_stats = n_chunks * b * h
     token_args, n_token_programs = _shared_token_args(alongside, k)
     some_stat = ksum if key_mean else vmax
     some = mean if key_mean else vscale
-    launch(
-        _kv_stats_kernel, (n_stats + n_token_programs,), k, *k.stride(), v, *v.stride(),
-        some_stat, kcnt if key_mean else some_stat, vmax if value_scale else some_stat, keep, skp_b, skp_h,
-        h, length, chunk, n_chunks, n_stats,
-        done, some, vexp if value_scale else some, vscale if value_scale else some,
+    args = dict(
+        K=k, sk_b=k.stride(0), sk_h=k.stride(1), sk_l=k.stride(2), sk_d=k.stride(3),
+        V=v, sv_b=v.stride(0), sv_h=v.stride(1), sv_l=v.stride(2), sv_d=v.stride(3),
+        KSUM=some_stat, KCNT=kcnt if key_mean else some_stat, VMAX=vmax if value_scale else some_stat,
+        KEEP=keep, skp_b=skp_b, skp_h=skp_h, H=h, L=length, CHUNK=chunk, N_CHUNKS=n_chunks, N_STATS=n_stats,
+        DONE=zeros(b * h, dev), MEAN=some, VEXP=vexp if value_scale else some, VSCALE=vscale if value_scale else some,
         D=d, DV=dv, BLOCK_L=block_l, FIN_CHUNKS=32, NEED_K=key_mean, NEED_V=value_scale,
-        HAS_KEEP=has_keep, HW_CVT=HW_CVT, **token_args, num_warps=4,
+        HAS_KEEP=has_keep, HW_CVT=HW_CVT, **token_args,
     )
-    return KVStatistics(mean, vexp, vscale)
+    return (n_stats + n_token_programs,), args, KVStatistics(mean, vexp, vscale)
+
+
+def compile_statistics(head_dim: int = 128, key_mean: bool = True, value_scale: bool = True,
+                       dtype: torch.dtype = torch.bfloat16, capability: int = 90):
+    """Compile the statistics pass for CUDA compute capability `capability`
+    (90: sm_90a) on any machine, GPU or not, specialised as `kv_statistics`
+    on (1, 8, 16384, head_dim) keys and values would launch it. Returns
+    Triton's compiled kernel; needs TRITON_INTERPRET unset."""
+    from dma_compile.kernels.target_compile import compile_for_target
+
+    k = torch.empty(1, 8, 16384, head_dim, dtype=dtype)
+    _, args, _ = _statistics_launch(k, torch.empty_like(k), key_mean, value_scale, None, None, None)
+    return compile_for_target(_kv_stats_kernel, args, capability, 4, 3)
 
 
 def _value_block(dv: int) -> int:

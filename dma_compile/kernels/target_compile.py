@@ -20,6 +20,7 @@ POINTER_TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
     torch.float32: "*fp32",
+    torch.float64: "*fp64",
     torch.float8_e4m3fn: "*fp8e4nv",
     torch.uint8: "*u8",
     torch.int32: "*i32",
