@@ -226,7 +226,7 @@ def test_replay_zeroes_the_counters_it_was_given_as_zeros(monkeypatch):
         arg_names = ["COUNTS", "OTHER", "X", "OUT"]
 
         def __getitem__(self, grid):
-            return lambda *args: Compiled()
+            return lambda *args, **options: Compiled()
 
     class Compiled:
         def __getitem__(self, grid):
@@ -335,3 +335,33 @@ def test_integer_helpers_match_triton():
         assert next_power_of_2(a) == triton.next_power_of_2(a), a
         for b in (1, 7, 16, 128):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_every_launch_asks_for_the_launch_options():
+    """Each `kernel[grid](...)` in the package's kernels passes
+    `**LAUNCH_OPTIONS` (FP fusion on whatever the Triton version's default),
+    and `launch.launch` adds them to the launches it makes."""
+    import ast
+    import pathlib
+
+    from dma_compile.kernels import launch
+
+    root = pathlib.Path(launch.__file__).parent
+    sites = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                options = [k for k in node.keywords if k.arg is None and getattr(k.value, "id", "") == "LAUNCH_OPTIONS"]
+                sites.append((path.name, node.lineno, bool(options)))
+    assert len(sites) >= 8, sites
+    assert all(ok for _, _, ok in sites), [s for s in sites if not s[2]]
+
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(kwargs)
+
+    launch.launch(Kernel(), (1,), 1, num_warps=4)
+    assert seen == {"num_warps": 4, **launch.LAUNCH_OPTIONS}
+    assert launch.LAUNCH_OPTIONS == {"enable_fp_fusion": True}

@@ -45,7 +45,7 @@ from dma_compile.kernels.codes import (
     SELECT_V_NONE,
 )
 from dma_compile.kernels.limits import LIMITS
-from dma_compile.kernels.launch import cdiv
+from dma_compile.kernels.launch import LAUNCH_OPTIONS, cdiv
 from dma_compile.kernels.masks import CELL, classify_mask, counted_key_arguments
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -510,7 +510,8 @@ def attention_sm100(q, k, v, attn_mask, is_causal: bool, scale: float | None, po
         q, k, v_op, v_strides, v_scales, out, mask, mask_strides, summary, summary_strides, mask_kind,
         ops[policy.hi], ops[policy.lo], is_causal, scale, policy, block_m, block_n, key_keep, key_limit)
     grid = (cdiv(lq, block_m), b * hq)
-    _dma_attention_sm100_kernel[grid](**args, **constexprs, num_warps=_num_warps(block_m), num_stages=2)
+    _dma_attention_sm100_kernel[grid](**args, **constexprs, num_warps=_num_warps(block_m), num_stages=2,
+                                      **LAUNCH_OPTIONS)
     return out
 
 

@@ -54,6 +54,7 @@ from dma_compile.kernels.gluon_compat import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from dma_compile.kernels.launch import LAUNCH_OPTIONS
 from dma_compile.kernels.limits import LIMITS
 from dma_compile.kernels.numerics import TRITON_VERSION, block_amax
 from dma_compile.kernels.quantize import folded_mx, folded_scale
@@ -824,7 +825,8 @@ def gluon_attention_from_quantized(qi, shape, is_causal: bool, scale: float, pol
                tuple(sorted(variant.items())))
         variant = {**variant, "block_n": default_block_n(key)}
     args = _kernel_args(qi, out, shape, is_causal, scale, policy, **variant)
-    compiled = _dma_attention_gluon_kernel[(min(programs, args["N_TILES"]),)](**args, num_warps=4, maxnreg=MAXNREG)
+    compiled = _dma_attention_gluon_kernel[(min(programs, args["N_TILES"]),)](
+        **args, num_warps=4, maxnreg=MAXNREG, **LAUNCH_OPTIONS)
     if key is not None and key not in _WIDE_SPILLS:
         _WIDE_SPILLS[key] = wide_loop_spills(compiled)
         if _WIDE_SPILLS[key]:

@@ -28,6 +28,7 @@ import triton.language as tl
 from dma_compile import cache_formats
 from dma_compile.kernels import Unsupported
 from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_NONE, LOG2E, MX_FORMAT_CODES
+from dma_compile.kernels.launch import LAUNCH_OPTIONS
 from dma_compile.kernels.numerics import HW_CVT, INTERPRET, pow2_wide, to_f32
 from dma_compile.kernels.quantize import key_keep_arguments
 
@@ -581,12 +582,12 @@ def decode_attention(
         HAS_KEEP=has_keep, D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
         HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **config.compile_options(),
+        **config.compile_options(), **LAUNCH_OPTIONS,
     )
     out = torch.empty_like(q)
     _decode_combine_kernel[(b * hkv, group * t)](
         o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), t, group, hkv, n_chunks,
-        D=d, BLOCK_M=block_m, BLOCK_C=triton.next_power_of_2(n_chunks),
+        D=d, BLOCK_M=block_m, BLOCK_C=triton.next_power_of_2(n_chunks), **LAUNCH_OPTIONS,
     )
     return out
 

@@ -231,11 +231,15 @@ def zeros(numel: int, device: torch.device) -> torch.Tensor:
 
 
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+# Compile options of every launch and offline compile. FP fusion (a * b + c
+# as one FMA) was on by default through Triton 3.9, which the kernels are
+# tested with; 3.10 turns it off by default (3.9 warns about it), so ask.
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
-    """fn[grid](*args, **kwargs), recorded where a recording is active."""
-    compiled = fn[grid](*args, **kwargs)
+    """fn[grid](*args, **kwargs, **LAUNCH_OPTIONS), recorded where a recording is active."""
+    compiled = fn[grid](*args, **kwargs, **LAUNCH_OPTIONS)
     rec = getattr(_active, "rec", None)
     if rec is not None:
         if not isinstance(grid, tuple) or not hasattr(compiled, "__getitem__"):

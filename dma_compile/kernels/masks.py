@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dma_compile.kernels.launch import cdiv
+from dma_compile.kernels.launch import LAUNCH_OPTIONS, cdiv
 from dma_compile.kernels.numerics import HW_CVT, to_f32
 
 CELL = 16
@@ -154,7 +154,7 @@ def _classify(mask: torch.Tensor, b: int, hq: int, lq: int, lk: int) -> MaskInfo
     key_keep = torch.zeros(mb, mh, lk, dtype=torch.int32, device=mask.device)
     _classify_kernel[(n_rows, mb * mh)](
         distinct, *distinct.stride(), summary, key_keep, mh, n_rows, lq if n_rows > 1 else 1, lk, cdiv(lk, CELL),
-        CELL=CELL, CHUNK=_CHUNK, IS_BOOL=is_bool, HW_CVT=HW_CVT, num_warps=4,
+        CELL=CELL, CHUNK=_CHUNK, IS_BOOL=is_bool, HW_CVT=HW_CVT, num_warps=4, **LAUNCH_OPTIONS,
     )
     values = m.expand(b, hq, lq, lk)
     if is_bool:

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_NONE, MX_FORMAT_CODES, mx_format_slots
 from dma_compile.kernels.hadamard import rotate_rows, transform_arguments
-from dma_compile.kernels.launch import cdiv
+from dma_compile.kernels.launch import LAUNCH_OPTIONS, cdiv
 from dma_compile.kernels.numerics import (
     HW_CVT,
     e4m3_bits,
@@ -200,6 +200,6 @@ def quantize_payloads(
         **format_codes,
         RCEIL=scale_rule == "rceil", HW_CVT=HW_CVT, ROTATE=transform["ROTATE"] and bool(mx),
         PRESCALE=transform["PRESCALE"] and bool(mx), INV_SQRT_D=transform["INV_SQRT_D"],
-        num_warps=4,
+        num_warps=4, **LAUNCH_OPTIONS,
     )
     return result

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels.hadamard import rotate_rows, rotation_arguments
+from dma_compile.kernels.launch import LAUNCH_OPTIONS
 from dma_compile.kernels.numerics import HW_CVT, to_dtype, to_f32
 
 
@@ -40,6 +41,6 @@ def rotate_tokens(x: torch.Tensor, kind: str) -> torch.Tensor:
     block_t = max(8, 2048 // d)
     _rotate_tokens_kernel[(triton.cdiv(flat.shape[0], block_t),)](
         flat, flat.stride(0), flat.stride(1), signs, out, flat.shape[0],
-        D=d, BLOCK_T=block_t, INV_SQRT_D=inv, HW_CVT=HW_CVT, num_warps=4,
+        D=d, BLOCK_T=block_t, INV_SQRT_D=inv, HW_CVT=HW_CVT, num_warps=4, **LAUNCH_OPTIONS,
     )
     return out.reshape(x.shape)

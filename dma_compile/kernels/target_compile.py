@@ -13,6 +13,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from dma_compile.kernels.launch import LAUNCH_OPTIONS
 from dma_compile.kernels.numerics import INTERPRET
 
 # Triton's names of the pointer element types the kernels take.
@@ -67,5 +68,5 @@ def compile_for_target(kernel, args: dict, capability: int, num_warps: int, num_
             if value % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages, **(extra_options or {})}
+    options = {"num_warps": num_warps, "num_stages": num_stages, **LAUNCH_OPTIONS, **(extra_options or {})}
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
