@@ -580,7 +580,8 @@ class KVStatistics:
     value_scales: torch.Tensor | None
 
 
-def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool) -> tuple[int, int, int]:
+def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool,
+                    step_elements: int = 2048, programs: int = 1024) -> tuple[int, int, int]:
     """(keys per loop step, keys per chunk, chunks per head) of the statistics pass.
 
     2048 elements of each tensor per step (16 per thread of 4 warps) and
@@ -590,7 +591,7 @@ def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool) 
     part of the pass (BENCHMARKS.md, 2026-12-06 late). At most 256 chunks per
     head for the finalize kernel.
     """
-    block_l, programs = max(1, 2048 // max(d, dv if with_v else d)), 1024
+    block_l = max(1, step_elements // max(d, dv if with_v else d))
     n_chunks = max(1, min(cdiv(length, block_l), cdiv(programs, b * h), 256))
     chunk = max(block_l, cdiv(cdiv(length, n_chunks), block_l) * block_l)
     return block_l, chunk, cdiv(length, chunk)
@@ -671,8 +672,9 @@ def kv_statistics(
     return stats
 
 
-def _statistics_launch(k, v, key_mean, value_scale, alongside, key_keep, key_limit):
-    """(grid, arguments by name, outputs) of `kv_statistics`' launch."""
+def _statistics_launch(k, v, key_mean, value_scale, alongside, key_keep, key_limit, chunking: dict | None = None):
+    """(grid, arguments by name, outputs) of `kv_statistics`' launch;
+    chunking: `_stats_chunking`'s keyword arguments, for launch sweeps."""
     b, h, full_length, d = k.shape
     dv = v.shape[-1]
     keep, skp_b, skp_h, has_keep = key_keep_arguments(key_keep, b, h, full_length, k)
@@ -680,7 +682,7 @@ def _statistics_launch(k, v, key_mean, value_scale, alongside, key_keep, key_lim
         raise ValueError(f"key_limit: must be at least 1, got {key_limit}")
     # Keys from key_limit on do not count: the pass stops before them.
     length = min(full_length, key_limit) if key_limit is not None else full_length
-    block_l, chunk, n_chunks = _stats_chunking(b, h, length, d, dv, value_scale)
+    block_l, chunk, n_chunks = _stats_chunking(b, h, length, d, dv, value_scale, **(chunking or {}))
     dev = k.device
     ksum = torch.empty(b * h, n_chunks, d, dtype=torch.float64, device=dev) if key_mean else None
     kcnt = torch.empty(b * h, n_chunks, d, dtype=torch.int32, device=dev) if key_mean else None

@@ -1,7 +1,7 @@
-"""Launch configurations of the token pass (Q and K quantization), timed.
+"""Launch configurations of the quantization pass's launches, timed.
 
-Times `kernels.quantize._quantize_tokens_kernel` as the hopper policy's
-prefill launches it, for Q in transformers' (B, L, H, D) memory layout and
+Token pass: times `kernels.quantize._quantize_tokens_kernel` as the hopper
+policy's prefill launches it, for Q in transformers' (B, L, H, D) memory layout and
 for K contiguous with smoothing, at each tokens-per-program / warps pair of
 a grid, with and without rotation, in one run with CUDA graphs. Every
 configuration's output is first compared bit for bit with the default
@@ -9,7 +9,12 @@ plan's (`_token_block`); the speed of light is the pass's bytes (bf16 in,
 e4m3 codes, exponents and scales out) at the GPU's DRAM bandwidth, which
 the table reports as achieved GB/s.
 
-    python benchmarks/sweep_token_pass.py --shape 1 32 8 16384 128 --out sweep.json
+Statistics pass: times `kernels.quantize.kv_statistics` (K's mean and V's
+scales in one launch, as the hopper policy asks) for each elements-per-step /
+programs / warps of a grid (`_stats_chunking`), each checked bit for bit
+against the default launch's results first.
+
+    python benchmarks/sweep_quant_pass.py --shape 1 32 8 16384 128 --out sweep.json
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from dma_compile.kernels.launch import LAUNCH_OPTIONS
-from dma_compile.kernels.quantize import _quantize_tokens_kernel, plan_tokens
+from dma_compile.kernels.launch import launch
+from dma_compile.kernels.quantize import _kv_stats_kernel, _quantize_tokens_kernel, _statistics_launch, plan_tokens
 from dma_compile.policy import AttentionPolicy
 
 
@@ -50,16 +56,48 @@ def pass_bytes(x: torch.Tensor) -> int:
     return b * h * length * (d * (x.element_size() + 1) + 8)
 
 
+def statistics_rows(k: torch.Tensor, v: torch.Tensor, steps: list[int], programs: list[int], warps: list[int]) -> list:
+    """One row per statistics launch configuration (None: the default)."""
+    grid = [None, *itertools.product(steps, programs, warps)]
+    default_grid, default_args, expected = _statistics_launch(k, v, True, True, None, None, None)
+    launch(_kv_stats_kernel, default_grid, **default_args, num_warps=4)
+    rows = []
+    for config in tqdm(grid, desc="statistics configs"):
+        step, progs, w = config or (2048, 1024, 4)
+        chunking = None if config is None else dict(step_elements=step, programs=progs)
+        launch_grid, args, stats = _statistics_launch(k, v, True, True, None, None, None, chunking)
+
+        def run(args=args, launch_grid=launch_grid, w=w):
+            args["DONE"].zero_()
+            launch(_kv_stats_kernel, launch_grid, **args, num_warps=w)
+
+        run()
+        for name in ("key_mean", "value_exponents", "value_scales"):
+            if not torch.equal(getattr(stats, name), getattr(expected, name)):
+                raise SystemExit(f"statistics {config}: {name} differ from the default launch's")
+        us = bench(run)
+        total = k.numel() * k.element_size() + v.numel() * v.element_size()
+        rows.append(dict(default=config is None, step_elements=step, programs=progs, warps=w,
+                         keys_per_step=args["BLOCK_L"], chunks_per_head=args["N_CHUNKS"], us=us, gb_s=total / us / 1e3))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=5, default=[1, 32, 8, 16384, 128], metavar=("B", "HQ", "HKV", "L", "D"))
     parser.add_argument("--block-t", type=int, nargs="+", default=[16, 32, 64, 128], help="tokens per program")
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--rotate", nargs="+", default=["none", "signed_hadamard"])
+    parser.add_argument("--parts", nargs="+", default=["tokens", "stats"], choices=["tokens", "stats"])
+    parser.add_argument("--stats-steps", type=int, nargs="+", default=[1024, 2048, 4096],
+                        help="statistics pass: elements of K (and of V) per loop step")
+    parser.add_argument("--stats-programs", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                        help="statistics pass: programs aimed at")
+    parser.add_argument("--stats-warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("sweep_token_pass.py needs a CUDA GPU")
+        raise SystemExit("sweep_quant_pass.py needs a CUDA GPU")
     b, hq, hkv, n, d = args.shape
     torch.manual_seed(0)
     q = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -68,7 +106,7 @@ def main() -> None:
     policy = AttentionPolicy.hopper()
     formats = ("mxfp8_e4m3",)
     rows = []
-    grid = list(itertools.product(args.rotate, [None, *args.block_t], args.warps))
+    grid = list(itertools.product(args.rotate, [None, *args.block_t], args.warps)) if "tokens" in args.parts else []
     for rotate, block_t, warps in tqdm(grid, desc="token pass configs"):
         if block_t is None and warps != 4:
             continue
@@ -91,15 +129,36 @@ def main() -> None:
         rows.append(dict(rotate=rotate, block_t=block_t or plan.args["BLOCK_T"], default=block_t is None, warps=warps,
                          q_us=times["q"], k_us=times["k"], total_us=times["q"] + times["k"],
                          gb_s=total_bytes / (times["q"] + times["k"]) / 1e3))
+    if rows:
+        print_token_rows(rows, args.shape)
+    stats = statistics_rows(k, torch.randn_like(k), args.stats_steps, args.stats_programs, args.stats_warps) \
+        if "stats" in args.parts else []
+    if stats:
+        print_statistics_rows(stats, args.shape)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(shape=args.shape, device=torch.cuda.get_device_name(), token_rows=rows, statistics_rows=stats),
+                      f, indent=1)
+
+
+def print_token_rows(rows: list, shape: list[int]) -> None:
+    b, hq, hkv, n, d = shape
     base = {r["rotate"]: r["total_us"] for r in rows if r["default"]}
     table = [[r["rotate"], r["block_t"], r["warps"], "yes" if r["default"] else "", f"{r['q_us']:.1f}", f"{r['k_us']:.1f}",
               f"{r['total_us']:.1f}", f"{r['gb_s']:.0f}", f"{base[r['rotate']] / r['total_us']:.2f}x"] for r in rows]
     print(f"\nB{b} H{hq}/{hkv} S{n} D{d}, hopper policy, {torch.cuda.get_device_name()}")
     print(tabulate(table, headers=["rotate", "tokens/program", "warps", "default", "Q us", "K us", "Q+K us", "GB/s",
                                    "vs default"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(shape=args.shape, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+def print_statistics_rows(stats: list, shape: list[int]) -> None:
+    b, hq, hkv, n, d = shape
+    base_us = stats[0]["us"]
+    print(f"\nStatistics pass (K mean, V scales), B{b} H{hkv} S{n} D{d}")
+    print(tabulate([[r["step_elements"], r["programs"], r["warps"], "yes" if r["default"] else "", r["keys_per_step"],
+                     r["chunks_per_head"], f"{r['us']:.1f}", f"{r['gb_s']:.0f}", f"{base_us / r['us']:.2f}x"] for r in stats],
+                   headers=["elements/step", "programs", "warps", "default", "keys/step", "chunks/head", "us", "GB/s",
+                            "vs default"]))
 
 
 if __name__ == "__main__":
