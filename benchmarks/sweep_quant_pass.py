@@ -28,9 +28,7 @@ import triton
 from tabulate import tabulate
 from tqdm import tqdm
 
-from dma_compile.kernels.launch import LAUNCH_OPTIONS
-from dma_compile.kernels.launch import launch
-from dma_compile.kernels.quantize import _kv_stats_kernel, _quantize_tokens_kernel, _statistics_launch, plan_tokens
+from dma_compile.kernels.quantize import kv_statistics, launch_tokens, plan_tokens
 from dma_compile.policy import AttentionPolicy
 
 
@@ -39,12 +37,7 @@ def bench(fn) -> float:
 
 
 def launcher(plan, block_t: int | None, warps: int):
-    args = dict(plan.args)
-    blocks = plan.blocks_per_head
-    if block_t is not None:
-        args["BLOCK_T"] = block_t
-        blocks = triton.cdiv(args["L"], block_t)
-    return lambda: _quantize_tokens_kernel[(blocks, plan.heads)](**args, num_warps=warps, **LAUNCH_OPTIONS)
+    return lambda: launch_tokens(plan, block_t, warps)
 
 
 def outputs(plan) -> list[torch.Tensor]:
@@ -59,26 +52,22 @@ def pass_bytes(x: torch.Tensor) -> int:
 def statistics_rows(k: torch.Tensor, v: torch.Tensor, steps: list[int], programs: list[int], warps: list[int]) -> list:
     """One row per statistics launch configuration (None: the default)."""
     grid = [None, *itertools.product(steps, programs, warps)]
-    default_grid, default_args, expected = _statistics_launch(k, v, True, True, None, None, None)
-    launch(_kv_stats_kernel, default_grid, **default_args, num_warps=4)
+    expected = kv_statistics(k, v, True, True)
     rows = []
     for config in tqdm(grid, desc="statistics configs"):
         step, progs, w = config or (2048, 1024, 4)
         chunking = None if config is None else dict(step_elements=step, programs=progs)
-        launch_grid, args, stats = _statistics_launch(k, v, True, True, None, None, None, chunking)
 
-        def run(args=args, launch_grid=launch_grid, w=w):
-            args["DONE"].zero_()
-            launch(_kv_stats_kernel, launch_grid, **args, num_warps=w)
+        def run(chunking=chunking, w=w):
+            return kv_statistics(k, v, True, True, chunking=chunking, num_warps=w)
 
-        run()
+        stats = run()
         for name in ("key_mean", "value_exponents", "value_scales"):
             if not torch.equal(getattr(stats, name), getattr(expected, name)):
                 raise SystemExit(f"statistics {config}: {name} differ from the default launch's")
         us = bench(run)
         total = k.numel() * k.element_size() + v.numel() * v.element_size()
-        rows.append(dict(default=config is None, step_elements=step, programs=progs, warps=w,
-                         keys_per_step=args["BLOCK_L"], chunks_per_head=args["N_CHUNKS"], us=us, gb_s=total / us / 1e3))
+        rows.append(dict(default=config is None, step_elements=step, programs=progs, warps=w, us=us, gb_s=total / us / 1e3))
     return rows
 
 
@@ -155,10 +144,9 @@ def print_statistics_rows(stats: list, shape: list[int]) -> None:
     b, hq, hkv, n, d = shape
     base_us = stats[0]["us"]
     print(f"\nStatistics pass (K mean, V scales), B{b} H{hkv} S{n} D{d}")
-    print(tabulate([[r["step_elements"], r["programs"], r["warps"], "yes" if r["default"] else "", r["keys_per_step"],
-                     r["chunks_per_head"], f"{r['us']:.1f}", f"{r['gb_s']:.0f}", f"{base_us / r['us']:.2f}x"] for r in stats],
-                   headers=["elements/step", "programs", "warps", "default", "keys/step", "chunks/head", "us", "GB/s",
-                            "vs default"]))
+    print(tabulate([[r["step_elements"], r["programs"], r["warps"], "yes" if r["default"] else "", f"{r['us']:.1f}",
+                     f"{r['gb_s']:.0f}", f"{base_us / r['us']:.2f}x"] for r in stats],
+                   headers=["elements/step", "programs", "warps", "default", "us", "GB/s", "vs default"]))
 
 
 if __name__ == "__main__":

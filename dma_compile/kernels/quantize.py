@@ -523,10 +523,15 @@ def plan_tokens(
     return plan
 
 
-def launch_tokens(plan: TokenPlan) -> None:
-    """Carry out plan by a launch of its own."""
-    if plan.args is not None:
-        launch(_quantize_tokens_kernel, (plan.blocks_per_head, plan.heads), **plan.args, num_warps=4)
+def launch_tokens(plan: TokenPlan, block_t: int | None = None, num_warps: int = 4) -> None:
+    """Carry out plan by a launch of its own; block_t (tokens per program,
+    default the plan's) and num_warps are for launch sweeps."""
+    if plan.args is None:
+        return
+    args, blocks = plan.args, plan.blocks_per_head
+    if block_t is not None:
+        args, blocks = {**args, "BLOCK_T": block_t}, cdiv(args["L"], block_t)
+    launch(_quantize_tokens_kernel, (blocks, plan.heads), **args, num_warps=num_warps)
 
 
 def compile_tokens(formats: tuple[str, ...], mx_mode: str = "folded", scale_rule: str = "rceil",
@@ -646,7 +651,8 @@ def key_keep_arguments(key_keep: torch.Tensor | None, b: int, h: int, length: in
 
 def kv_statistics(
     k: torch.Tensor, v: torch.Tensor, key_mean: bool, value_scale: bool, alongside: TokenPlan | None = None,
-    key_keep: torch.Tensor | None = None, key_limit: int | None = None,
+    key_keep: torch.Tensor | None = None, key_limit: int | None = None, chunking: dict | None = None,
+    num_warps: int = 4,
 ) -> KVStatistics:
     """One launch over K and V, chunked over keys, whose last chunk per head
     combines the others' (see _kv_stats_finalize).
@@ -657,7 +663,8 @@ def kv_statistics(
     key_keep, key_limit: which keys count (reference.counted_keys): those
     below key_limit (default: all) that key_keep, broadcastable to
     (B, H, Lk) (e.g. `masks.MaskInfo.kept_keys`), marks nonzero; non-finite
-    elements never count.
+    elements never count. chunking (`_stats_chunking`'s elements per step
+    and programs) and num_warps are for launch sweeps.
     """
     if alongside is not None and alongside.args is not None and (
         alongside.args["SMOOTH"] or alongside.args["WRITE_NONE"]
@@ -667,8 +674,8 @@ def kv_statistics(
         if alongside is not None:
             launch_tokens(alongside)
         return KVStatistics(None, None, None)
-    grid, args, stats = _statistics_launch(k, v, key_mean, value_scale, alongside, key_keep, key_limit)
-    launch(_kv_stats_kernel, grid, **args, num_warps=4)
+    grid, args, stats = _statistics_launch(k, v, key_mean, value_scale, alongside, key_keep, key_limit, chunking)
+    launch(_kv_stats_kernel, grid, **args, num_warps=num_warps)
     return stats
 
 
