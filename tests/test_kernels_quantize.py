@@ -185,6 +185,48 @@ def test_statistics_over_several_chunks(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunking", [dict(step_elements=512, programs=3), dict(step_elements=4096, programs=64)])
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_statistics_do_not_depend_on_the_launch(device, chunking, num_warps, seed):
+    """Other steps, chunk counts and warps (the launch sweeps' knobs) give
+    the default launch's K mean and V scales bit for bit, NaN and Inf
+    included: the chunks' partial results combine in any grouping."""
+    shape = (1, 2, 333, 64) if device == "cpu" else (2, 3, 20000, 128)
+    k = (torch.randn(shape) * 3 + torch.randn(shape[-1]) * 5).to(torch.bfloat16)
+    v = (torch.randn(shape) * torch.exp2(torch.randint(-8, 9, (shape[-1],)).float())).to(torch.bfloat16)
+    k[0, 1, 5, 3], v[0, 0, 3, 1] = float("nan"), float("-inf")
+    k, v = k.to(device), v.to(device)
+    default = _q().kv_statistics(k, v, key_mean=True, value_scale=True)
+    other = _q().kv_statistics(k, v, key_mean=True, value_scale=True, chunking=chunking, num_warps=num_warps)
+    assert torch.equal(other.key_mean, default.key_mean), f"seed {seed}"
+    assert torch.equal(other.value_exponents, default.value_exponents), f"seed {seed}"
+    assert torch.equal(other.key_mean.cpu(), key_mean(k.cpu()).squeeze(-2)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rotate", ["none", "signed_hadamard"])
+@pytest.mark.parametrize("block_t", [16, 128])
+def test_token_pass_does_not_depend_on_tokens_per_program(device, rotate, block_t, seed):
+    """A launch with other tokens per program (the launch sweep's knob; the
+    rotating butterfly changes form at 64) writes the plan's launch's bits."""
+    shape = (2, 3, 77, 64) if device == "cpu" else (2, 8, 3000, 128)
+    x = tailed(shape, torch.bfloat16, device)
+    mean = (torch.randn(shape[0], shape[1], shape[-1]) * 3).to(device)
+    plan = _q().plan_tokens(x, ("mxfp8_e4m3", "mxfp4_e2m1"), "folded", "rceil", mean=mean, pow2_scales=True,
+                            rotate=rotate)
+    _q().launch_tokens(plan)
+    expected = on_cpu(plan.operands)
+    for op in plan.operands.values():
+        for t in (op.values, op.exponents, op.scales):
+            t.zero_()
+    _q().launch_tokens(plan, block_t=block_t)
+    got = on_cpu(plan.operands)
+    for fmt, tensors in expected.items():
+        for want, have in zip(tensors, got[fmt]):
+            assert want is None or torch.equal(have.view(torch.uint8), want.view(torch.uint8)), f"seed {seed} {fmt}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_statistics_count_only_kept_keys(device, seed):
     """Keys that key_keep marks 0 or that lie past key_limit move neither K's
     mean nor V's scales, whatever they hold, and FP8 V stores them as zeros."""
