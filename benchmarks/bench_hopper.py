@@ -34,7 +34,7 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from dma_compile import AttentionPolicy
-from dma_compile.kernels.attention_sm90 import attention_sm90, quantize_inputs
+from dma_compile.kernels.attention_sm90 import PASS_LAUNCH_LAYOUTS, attention_sm90, pass_launches, quantize_inputs
 from dma_compile.kernels.attention_sm90_gluon import (
     attention_sm90_gluon,
     gluon_attention_from_quantized,
@@ -135,7 +135,15 @@ def model_layout(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def methods_for(q, k, v, causal, variants, names, baseline=None):
+def in_layout(fn, layout: str):
+    """fn run (and so captured in a CUDA graph) with the pass in `layout`'s launches."""
+    def run():
+        with pass_launches(layout):
+            return fn()
+    return run
+
+
+def methods_for(q, k, v, causal, variants, names, baseline=None, layouts=("rule",)):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # FA3 takes (B, S, H, D)
     gqa = q.shape[1] != k.shape[1]
     qm, km, vm = (model_layout(x) for x in (q, k, v))
@@ -164,6 +172,12 @@ def methods_for(q, k, v, causal, variants, names, baseline=None):
         for vname, variant in variants.items():
             found[f"gluon_{name}{vname}"] = lambda p=policy, var=variant: attention_sm90_gluon(
                 q, k, v, None, causal, None, p, **var)
+        for layout in layouts:
+            if layout != "rule":
+                found[f"quant_pass_{name}_{layout}_launches"] = in_layout(found[f"quant_pass_{name}"], layout)
+                found[f"gluon_{name}_{layout}_launches"] = in_layout(
+                    lambda p=policy, var=next(iter(variants.values())): attention_sm90_gluon(
+                        q, k, v, None, causal, None, p, **var), layout)
         if baseline is not None:
             # The baseline's own pass output (its V^T key order may differ from this version's).
             qi_base = baseline.quantize_inputs(q, k, v, policy, **baseline_pass_options(baseline))
@@ -182,7 +196,7 @@ def baseline_pass_options(baseline) -> dict:
     return {"v_wgmma_order": True} if "v_wgmma_order=True" in inspect.getsource(baseline.attention_sm90_gluon) else {}
 
 
-def run(shapes, variants, names, baseline=None):
+def run(shapes, variants, names, baseline=None, layouts=("rule",)):
     results = []
     for shape in tqdm(shapes, desc="shapes", file=sys.stderr):
         b, hq, hk, s, d, causal = shape
@@ -190,7 +204,7 @@ def run(shapes, variants, names, baseline=None):
         k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16)
         flops = 4 * b * hq * s * s * d / (2 if causal else 1)
-        methods = methods_for(q, k, v, causal, variants, names, baseline)
+        methods = methods_for(q, k, v, causal, variants, names, baseline, layouts)
         base = methods["sdpa"]()
         row = {"shape": f"B{b} H{hq}/{hk} S{s} D{d}{'' if causal else ' non-causal'}"}
         for name, fn in methods.items():
@@ -233,6 +247,8 @@ def main(argv=None):
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["", "_nopp"])
     parser.add_argument("--baseline", help="another version of attention_sm90_gluon.py, timed beside this one")
+    parser.add_argument("--pass-launches", nargs="+", choices=list(PASS_LAUNCH_LAYOUTS), default=["rule"],
+                        help="also time the pass and the Gluon call in these launch layouts (attention_sm90.pass_launches)")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--out", default="dma-out/bench_hopper.json")
@@ -250,7 +266,7 @@ def main(argv=None):
             print("correctness check FAILED", file=sys.stderr)
     if not args.check_only:
         baseline = load_baseline(args.baseline) if args.baseline else None
-        report["results"] = run(shapes, variants, args.policies, baseline)
+        report["results"] = run(shapes, variants, args.policies, baseline, args.pass_launches)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -9,6 +9,11 @@ DynamicCache holds them.
 
     python benchmarks/profile_launches.py
     python benchmarks/profile_launches.py --shapes 1,32,8,16384,128 --policies hopper:none hopper:signed_hadamard
+    python benchmarks/profile_launches.py --pass-launches rule fewest    # the pass's launch layouts side by side
+
+--pass-launches (`attention_sm90.pass_launches`): `rule` keeps
+`FEWEST_LAUNCHES_BELOW`; `fewest` puts Q's programs in the statistics launch
+and V's in K's token launch at every size, `most` gives each its own launch.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile
 
 from dma_compile import AttentionPolicy, dma_attention
+from dma_compile.kernels.attention_sm90 import PASS_LAUNCH_LAYOUTS, pass_launches
 
 
 def kernel_times(fn, calls: int) -> dict[str, tuple[float, float]]:
@@ -49,6 +55,7 @@ def main() -> None:
                         default=["hopper:none", "hopper:signed_hadamard", "hopper_input_pv:none", "paper:none",
                                  "paper:signed_hadamard"],
                         help="preset:rotation")
+    parser.add_argument("--pass-launches", nargs="+", choices=list(PASS_LAUNCH_LAYOUTS), default=["rule"])
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -62,14 +69,15 @@ def main() -> None:
         sdpa = kernel_times(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                             args.calls)
         sdpa_us = sum(t for t, _ in sdpa.values())
-        for spec in args.policies:
+        for spec, layout in ((spec, layout) for spec in args.policies for layout in args.pass_launches):
             preset, _, rotation = spec.partition(":")
             policy = AttentionPolicy.preset(preset).replace(rotate=rotation or "none")
-            times = kernel_times(lambda: dma_attention(q, k, v, is_causal=True, policy=policy), args.calls)
+            with pass_launches(layout):
+                times = kernel_times(lambda: dma_attention(q, k, v, is_causal=True, policy=policy), args.calls)
             total = sum(t for t, _ in times.values())
             rows = [[f"{t:.1f}", f"{n:g}", name[:80]] for name, (t, n) in sorted(times.items(), key=lambda x: -x[1][0])]
             rows.append([f"{total:.1f}", "", f"total (stock SDPA: {sdpa_us:.1f} µs, {sdpa_us / total:.3f}x)"])
-            print(f"\nB{b} H{hq}/{hk} S{s} D{d} causal, {preset}, rotate={policy.rotate}")
+            print(f"\nB{b} H{hq}/{hk} S{s} D{d} causal, {preset}, rotate={policy.rotate}, pass launches: {layout}")
             print(tabulate(rows, headers=["µs per call", "launches", "kernel"]))
 
 

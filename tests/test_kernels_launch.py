@@ -248,7 +248,7 @@ def test_replay_zeroes_the_counters_it_was_given_as_zeros(monkeypatch):
     assert seen == [([0] * 8, [0xAB] * 4)]
 
 
-def test_replay_needs_the_same_signature(fake_kernels):
+def test_replay_needs_the_same_signature(fake_kernels, monkeypatch):
     from dma_compile.kernels import attention_sm90
 
     log = fake_kernels
@@ -261,6 +261,32 @@ def test_replay_needs_the_same_signature(fake_kernels):
         log.clear()
         attention_sm90.attention_sm90(*inputs(), None, causal, None, policy)
         assert log and all(entry[0] == "triton" for entry in log)
+    # Another launch layout of the pass (benchmarks set the rule) is another call.
+    monkeypatch.setattr(attention_sm90, "FEWEST_LAUNCHES_BELOW", 0)
+    log.clear()
+    attention_sm90.attention_sm90(*inputs(), None, True, None, HOPPER)
+    assert log and all(entry[0] == "triton" for entry in log)
+
+
+def test_pass_launch_layouts(fake_kernels):
+    """pass_launches("fewest") takes the FP8 P·V pass to three launches (Q
+    beside the statistics, V beside K) and "most" to five, at any size, and
+    the rule comes back after it; an unknown layout is refused by name."""
+    from dma_compile.kernels import attention_sm90
+
+    log = fake_kernels
+    rule = attention_sm90.FEWEST_LAUNCHES_BELOW
+    counts = {}
+    for layout in ("fewest", "most"):
+        log.clear()
+        with attention_sm90.pass_launches(layout):
+            attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES["hopper_fp8pv"])
+        counts[layout] = sum(entry[1].fn is not attention_sm90._dma_attention_kernel.fn for entry in log)
+    assert counts == {"fewest": 3, "most": 5}
+    assert attention_sm90.FEWEST_LAUNCHES_BELOW == rule
+    with pytest.raises(ValueError, match="layout"):
+        with attention_sm90.pass_launches("two"):
+            pass
 
 
 def test_unaligned_inputs_are_copied_and_never_replayed(fake_kernels):

@@ -26,6 +26,7 @@ hold; keys past Lk read as zeros); Q, the scales and masks as pointers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -415,6 +416,25 @@ class QuantizedInputs:
 # statistics) and V^T's beside K's token programs run slower than in launches
 # of their own (BENCHMARKS.md, 2026-12-05, "Fewer launches").
 FEWEST_LAUNCHES_BELOW = 2**24
+# `pass_launches` layouts: the rule above, three launches at every size, five with FP8 P·V at every size.
+PASS_LAUNCH_LAYOUTS = {"rule": None, "fewest": 2**62, "most": 0}
+
+
+@contextlib.contextmanager
+def pass_launches(layout: str):
+    """Within it, the pass takes `layout`'s launches (PASS_LAUNCH_LAYOUTS),
+    for benchmarks that time the layouts against each other; calls replayed
+    from another layout are not reused (`signature`)."""
+    global FEWEST_LAUNCHES_BELOW
+    if layout not in PASS_LAUNCH_LAYOUTS:
+        raise ValueError(f"layout must be one of {list(PASS_LAUNCH_LAYOUTS)}, got {layout!r}")
+    saved = FEWEST_LAUNCHES_BELOW
+    if PASS_LAUNCH_LAYOUTS[layout] is not None:
+        FEWEST_LAUNCHES_BELOW = PASS_LAUNCH_LAYOUTS[layout]
+    try:
+        yield
+    finally:
+        FEWEST_LAUNCHES_BELOW = saved
 
 
 def quantize_inputs(
@@ -621,9 +641,11 @@ def attention_sm90(
 
 
 def signature(q, k, v, is_causal: bool, scale: float | None, policy: AttentionPolicy) -> tuple:
-    """What a call without a mask must share with an earlier one to replay its launches."""
+    """What a call without a mask must share with an earlier one to replay its launches
+    (the pass's launch layout rule too: benchmarks set it per run)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, is_causal, scale,
-            policy.to_string(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, launch.AUTOTUNE)
+            policy.to_string(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, launch.AUTOTUNE,
+            FEWEST_LAUNCHES_BELOW)
 
 
 def _attention(q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy,
