@@ -96,6 +96,7 @@ def _attention_forward(
         if attention_mask is not None:
             # A static layer's mask spans its capacity; the prefill's keys are its first positions.
             attention_mask = attention_mask[..., : key.shape[2]]
+            cache_layer.prefill_seen(attention_mask, key, value)
     layer = getattr(module, "layer_idx", None)
     if model_policy is None:
         policy = default_policy(query.device)

@@ -9,7 +9,12 @@ the prefill runs the DMA prefill op on the prompt's own K/V, and every later
 step reads the quantized storage through `torch.ops.dma.decode_attention`.
 A padded batch's mask (causal with key padding) travels to the decode op as
 a key-keep vector; steps with any other mask read the dequantized cache
-through SDPA instead, logged once.
+through SDPA instead, logged once. A growing layer stores a left-padded
+prompt without its padding (each row from its first real token), so a row's
+sink slots hold its first real tokens, as they would without the padding;
+the masks of later steps are translated to that storage. The static layout
+writes every row at one position, so its left-padded rows keep the padding
+in their sink slots.
 
 Two layouts:
 
@@ -56,6 +61,22 @@ def _log_fallback_once(reason: str) -> None:
     logger.warning("dma cache: attention runs stock SDPA: %s", reason)
 
 
+def _unpadded(x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """x (B, L, ...) with row b shifted left by pads[b] (its last pads[b] entries repeat the last one)."""
+    length = x.shape[1]
+    index = (torch.arange(length, device=x.device)[None, :] + pads[:, None].to(x.device)).clamp(max=length - 1)
+    return x.gather(1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+
+
+def _repadded(x: torch.Tensor, lengths: torch.Tensor, pads: torch.Tensor, length: int) -> torch.Tensor:
+    """x (B, H, L, D), row b's tokens stored from position 0, placed at
+    positions pads[b] .. pads[b] + lengths[b] - 1 of (B, H, length, D), zeros elsewhere."""
+    pos = torch.arange(length, device=x.device)[None, :] - pads[:, None].to(x.device)
+    valid = (pos >= 0) & (pos < lengths[:, None].to(x.device))
+    index = pos.clamp(0, x.shape[2] - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return x.gather(2, index) * valid[:, None, :, None]
+
+
 class KeyPaddingMasks:
     """Turns a decode step's mask into the decode op's key-keep vector, once
     per step: every layer of a model receives the same mask tensor, so the
@@ -63,21 +84,52 @@ class KeyPaddingMasks:
 
     def __init__(self):
         self._last: tuple | None = None
+        self._left: tuple | None = None
 
-    def key_keep(self, attention_mask: torch.Tensor, lengths: torch.Tensor, t: int) -> torch.Tensor | None:
+    def key_keep(
+        self, attention_mask: torch.Tensor, lengths: torch.Tensor, t: int, pads: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Bool (B, L): the keys the mask's last query row keeps, if the mask
         (B, 1, T, L), boolean or additive, is exactly causal over `lengths`
-        with that key padding; None for any other mask."""
+        with that key padding; None for any other mask. pads (B,): the left
+        padding a growing layer's storage left out (`left_padding`): the
+        mask is checked over lengths + pads and the result is in the
+        storage's positions (key j of row b is the mask's key j + pads[b])."""
         if self._last is not None and self._last[0] is attention_mask:
             return self._last[1]
         keep = mask_keeps(attention_mask)
         key_keep = None
+        padded = lengths if pads is None else lengths + pads.to(lengths.dtype)
         if keep.dim() == 4 and keep.shape[1] == 1 and keep.shape[2] == t and keep.shape[0] == lengths.shape[0]:
             candidate = keep[:, 0, -1, :]
-            if torch.equal(keep[:, 0], decode_keep(lengths, t, keep.shape[-1], candidate)):
-                key_keep = candidate.contiguous()
+            if torch.equal(keep[:, 0], decode_keep(padded, t, keep.shape[-1], candidate)):
+                key_keep = candidate.contiguous() if pads is None else _unpadded(candidate, pads)
         self._last = (attention_mask, key_keep)
         return key_keep
+
+    def left_padding(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
+        """(B,) int64: each row's leading masked keys, if the prefill mask
+        (B, 1, t, t) is exactly causal with left padding only, some row is
+        padded and none is all padding; None otherwise (the storage then
+        keeps the padded positions). Once per mask, as `key_keep`."""
+        if self._left is not None and self._left[0] is attention_mask:
+            return self._left[1]
+        keep = mask_keeps(attention_mask)
+        pads = None
+        if keep.dim() == 4 and keep.shape[1] == 1 and keep.shape[2] == t and keep.shape[3] == t:
+            candidate = keep[:, 0, -1, :]
+            counts = candidate.sum(dim=1)
+            left = t - counts
+            lengths = torch.full_like(counts, t)
+            if (
+                bool((left > 0).any())
+                and bool((counts > 0).all())
+                and torch.equal(candidate, torch.arange(t, device=keep.device)[None, :] >= left[:, None])
+                and torch.equal(keep[:, 0], decode_keep(lengths, t, t, candidate))
+            ):
+                pads = left.long()
+        self._left = (attention_mask, pads)
+        return pads
 
 
 def _hand_over(layer, key_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -105,6 +157,14 @@ class _QuantizedLayer(CacheLayerMixin):
     def _key_keep(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
         return self.masks.key_keep(attention_mask, self.store.lengths, t)
 
+    def _stored_values(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized K and V at the mask's positions (the first `length`)."""
+        return self.store.values()
+
+    def prefill_seen(self, attention_mask: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The attention function's word that a prefill ran over key_states
+        with attention_mask (sliced to its keys); nothing to do here."""
+
     def decode(self, module, query, attention_mask, scaling, impl, kwargs) -> torch.Tensor:
         """Attention output (B, T, Hq, D) of the newest tokens over this layer's cache."""
         key_keep = None
@@ -112,7 +172,7 @@ class _QuantizedLayer(CacheLayerMixin):
             key_keep = self._key_keep(attention_mask, query.shape[2])
             if key_keep is None:
                 _log_fallback_once("a step whose mask is not causal with key padding reads the dequantized cache")
-                k, v = (x.to(query.dtype) for x in self.store.values())
+                k, v = (x.to(query.dtype) for x in self._stored_values(attention_mask.shape[-1]))
                 mask = attention_mask[..., : k.shape[2]]
                 return sdpa_attention_forward(module, query, k, v, mask, scaling=scaling, **kwargs)[0]
         decode_impl = impl if impl in ("auto", "reference") else "triton"
@@ -131,6 +191,10 @@ class DMACacheLayer(_QuantizedLayer):
     def __init__(self, policy: AttentionPolicy, masks: KeyPaddingMasks | None = None):
         super().__init__(policy, masks if masks is not None else KeyPaddingMasks())
         self.past_length = 0
+        # Tokens seen, padding included (the store may leave a prompt's left padding out).
+        self.seen = 0
+        # (B,) left padding the store left out of each row, or None.
+        self.pads: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, t, d = key_states.shape
@@ -148,6 +212,7 @@ class DMACacheLayer(_QuantizedLayer):
         if needed > self.store.capacity:
             self.store.grow(max(needed, 2 * self.store.capacity))
         self.store.append(key_states, value_states)
+        self.seen += key_states.shape[2]
         return _hand_over(self, key_states, kwargs), value_states
 
     def reads_cache(self, query: torch.Tensor) -> bool:
@@ -155,8 +220,32 @@ class DMACacheLayer(_QuantizedLayer):
         rather than over its own tokens alone (the prefill)."""
         return self.past_length > 0
 
+    def prefill_seen(self, attention_mask: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor):
+        """After the first prefill of a left-padded batch, store each row
+        from its first real token: its sinks are then its first real tokens,
+        as without the padding (the prompt is quantized once more)."""
+        t = key_states.shape[2]
+        if self.past_length > 0 or self.pads is not None or self.store.max_length != t:
+            return
+        pads = self.masks.left_padding(attention_mask, t)
+        if pads is None:
+            return
+        self.store.reset()
+        self.store.append(*(_unpadded(x.transpose(1, 2), pads).transpose(1, 2) for x in (key_states, value_states)),
+                          num_tokens=t - pads)
+        self.pads = pads
+
+    def _key_keep(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
+        return self.masks.key_keep(attention_mask, self.store.lengths, t, self.pads)
+
+    def _stored_values(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values = self.store.values()
+        if self.pads is None:
+            return values
+        return tuple(_repadded(x, self.store.lengths, self.pads, length) for x in values)
+
     def get_seq_length(self) -> int:
-        return 0 if self.store is None else self.store.max_length
+        return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -165,6 +254,8 @@ class DMACacheLayer(_QuantizedLayer):
         if self.store is not None:
             self.store.reset()
         self.past_length = 0
+        self.seen = 0
+        self.pads = None
 
 
 class DMAStaticCacheLayer(_QuantizedLayer):

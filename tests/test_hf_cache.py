@@ -245,3 +245,65 @@ def test_compiled_chunked_prefill_into_a_static_cache_fails_loudly(seed):
                 forward(ids[:, 40:], **dma_compile.hf.cache_kwargs(dma, cache), use_cache=True)
     finally:
         torch._dynamo.reset()
+
+
+def test_left_padded_prompt_is_stored_from_its_first_real_token(seed):
+    """A growing layer stores a left-padded prefill without the padding: the
+    sink slots hold each row's first real tokens bit for bit, the lengths
+    are the real ones, the sequence length stays the padded one, and a
+    decode step over the storage equals exact attention over the row's real
+    tokens."""
+    from dma_compile.reference import decode_attention_math
+
+    b, h, t, d, pad = 2, 2, 48, 32, 7
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(b, h, t, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    keep = torch.ones(b, t, dtype=torch.bool)
+    keep[0, :pad] = False
+    mask = (torch.ones(t, t, dtype=torch.bool).tril() & keep[:, None, :])[:, None]
+    layer = dma_compile.hf_cache.DMACacheLayer(FP8)
+    layer.update(k, v)
+    layer.prefill_seen(mask, k, v)
+    store = layer.store
+    assert store.lengths.tolist() == [t - pad, t] and layer.get_seq_length() == t
+    assert torch.equal(store.hi_k[0, :, : store.sink], k[0, :, pad : pad + store.sink])
+    assert torch.equal(store.hi_v[1, :, : store.sink], v[1, :, : store.sink])
+    step_k, step_v, q = (torch.randn(b, h, 1, d, generator=g).to(torch.bfloat16) for _ in range(3))
+    layer.update(step_k, step_v)
+    step_mask = torch.cat([keep, torch.ones(b, 1, dtype=torch.bool)], dim=1)[:, None, None, :]
+    out = layer.decode(None, q, step_mask, None, "reference", {})
+    real_k = torch.cat([k[0:1, :, pad:], step_k[0:1]], dim=2).float()
+    real_v = torch.cat([v[0:1, :, pad:], step_v[0:1]], dim=2).float()
+    expected = decode_attention_math(q[0:1].float(), real_k, real_v, torch.tensor([t - pad + 1]))
+    torch.testing.assert_close(out[0:1].transpose(1, 2).float(), expected, atol=0.05, rtol=0.05)
+    assert layer.get_seq_length() == t + 1
+    # A mask per head is not one key-keep vector: the step reads the
+    # dequantized storage through SDPA, placed back at the mask's positions.
+    holed = step_mask.clone()
+    holed[0, 0, 0, pad + 3] = False
+    fallback = layer.decode(torch.nn.Module(), q, holed.expand(b, h, 1, t + 1), None, "reference", {})
+    real_keep = torch.ones(1, t - pad + 1, dtype=torch.bool)
+    real_keep[0, 3] = False
+    expected = decode_attention_math(q[0:1].float(), real_k, real_v, torch.tensor([t - pad + 1]), key_keep=real_keep)
+    torch.testing.assert_close(fallback[0:1].transpose(1, 2).float(), expected, atol=0.05, rtol=0.05)
+
+
+def test_left_padded_row_generates_as_the_prompt_alone(seed):
+    """With an FP8 cache, a left-padded row's logits are those of its prompt
+    generated alone (its sinks hold its own first tokens either way), to
+    float rounding; with the padding kept in storage they differed by the
+    quantization of its first tokens."""
+    dma_compile.hf.register(FP8, impl="reference")
+    dma = causal_lm("llama", "dma", seed)
+    ids = torch.randint(1, 97, (2, 50), generator=torch.Generator().manual_seed(seed))
+    pad = 9
+    ids[0, :pad] = 0
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        batch = dma.generate(ids, attention_mask=mask, **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, FP8)), **kw)
+        alone = dma.generate(ids[:1, pad:], **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, FP8)), **kw)
+    assert torch.equal(batch.sequences[0, pad:], alone.sequences[0])
+    torch.testing.assert_close(torch.stack(batch.logits)[:, 0], torch.stack(alone.logits)[:, 0], atol=2e-4, rtol=2e-4)
