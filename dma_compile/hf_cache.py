@@ -12,9 +12,7 @@ a key-keep vector; steps with any other mask read the dequantized cache
 through SDPA instead, logged once. A growing layer stores a left-padded
 prompt without its padding (each row from its first real token), so a row's
 sink slots hold its first real tokens, as they would without the padding;
-the masks of later steps are translated to that storage. The static layout
-writes every row at one position, so its left-padded rows keep the padding
-in their sink slots.
+the masks of later steps are translated to that storage (both layouts).
 
 Two layouts:
 
@@ -26,9 +24,10 @@ Two layouts:
   `torch.compile(model.forward, mode="reduce-overhead")` captures it in a
   CUDA graph. Under torch.compile, a prefill (queries at least the policy's
   `min_q_len`) must start at position 0 (a device-side assertion; chunked
-  prefill works eager only), and the decode mask is trusted to be causal
-  with key padding (what transformers builds for full-attention layers):
-  compiled code cannot check it without a host sync.
+  prefill works eager only), and the masks are trusted to be causal with
+  key padding, the prefill's with left padding only (what transformers
+  builds for full-attention layers): compiled code cannot check them
+  without a host sync.
 """
 
 from __future__ import annotations
@@ -270,6 +269,8 @@ class DMAStaticCacheLayer(_QuantizedLayer):
         # Tokens written so far, and where the step in progress started.
         self.position = torch.zeros((), dtype=torch.int64)
         self.start = torch.zeros((), dtype=torch.int64)
+        # (B,) left padding the store left out of each row (zeros: none), set at lazy initialization.
+        self.pads: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -278,20 +279,41 @@ class DMAStaticCacheLayer(_QuantizedLayer):
         self.store.max_length = self.max_cache_len
         self.position = self.position.to(key_states.device)
         self.start = self.start.to(key_states.device)
+        self.pads = torch.zeros(b, dtype=torch.int64, device=key_states.device)
         if not torch.compiler.is_compiling():
             # Fixed addresses: compiled graphs and CUDA graphs update them in place.
-            for x in (*self.store.tensors(), self.position, self.start):
+            for x in (*self.store.tensors(), self.position, self.start, self.pads):
                 torch._dynamo.mark_static_address(x)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new tokens at the current position; return them as they are."""
+        """Write the new tokens at the current position (less each row's left
+        padding, `prefill_seen`); return them as they are."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.start.copy_(self.position)
-        self.store.write_at(key_states, value_states, self.position)
+        self.store.write_at(key_states, value_states, self.position, offsets=self.pads)
         self.position.add_(key_states.shape[2])
         return _hand_over(self, key_states, kwargs), value_states
+
+    def prefill_seen(self, attention_mask: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor):
+        """After a prefill from position 0 with left padding, write each row
+        from its first real token (as the growing layout stores it). Eager
+        code checks that the mask is causal with left padding only; compiled
+        code trusts it (no host sync) and counts each row's leading masked
+        keys of the last query row."""
+        t = key_states.shape[2]
+        if torch.compiler.is_compiling():
+            keep = mask_keeps(attention_mask)[:, 0, -1, :]
+            pads = t - keep.cumsum(dim=1).gt(0).sum(dim=1)
+        else:
+            if int(self.start) != 0:
+                return
+            pads = self.masks.left_padding(attention_mask, t)
+            if pads is None:
+                return
+        self.store.write_at(key_states, value_states, self.start, offsets=torch.zeros_like(self.pads), skip=pads)
+        self.pads.copy_(pads)
 
     def reads_cache(self, query: torch.Tensor) -> bool:
         """Decode steps (queries shorter than the policy's `min_q_len`) read
@@ -308,8 +330,11 @@ class DMAStaticCacheLayer(_QuantizedLayer):
 
     def _key_keep(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
         if torch.compiler.is_compiling():
-            return mask_keeps(attention_mask)[:, 0, -1, :]
-        return super()._key_keep(attention_mask, t)
+            return _unpadded(mask_keeps(attention_mask)[:, 0, -1, :], self.pads)
+        return self.masks.key_keep(attention_mask, self.store.lengths, t, self.pads)
+
+    def _stored_values(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(_repadded(x, self.store.lengths, self.pads, length) for x in self.store.values())
 
     def get_seq_length(self) -> torch.Tensor | int:
         return self.position if self.is_initialized else 0
@@ -323,6 +348,7 @@ class DMAStaticCacheLayer(_QuantizedLayer):
     def reset(self) -> None:
         if self.store is not None:
             self.store.lengths.zero_()
+            self.pads.zero_()
         self.position.zero_()
         self.start.zero_()
 

@@ -155,15 +155,29 @@ class QuantizedKV:
         self.lengths += t if count is None else count.to(torch.int32)
         self.max_length = max(self.max_length, new_max)
 
-    def write_at(self, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, impl: str = "auto") -> None:
+    def write_at(
+        self, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, impl: str = "auto",
+        offsets: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+    ) -> None:
         """Write k, v (batch, kv_heads, T, head_dim) at positions start .. start
         + T - 1 of every sequence and set every length to start + T; start is
         a 0-d integer tensor on the cache's device.
+
+        offsets (batch,): each row's positions are start - offsets[row] on
+        (the padding left out of it so far); skip (batch,): the first
+        skip[row] of the T tokens are left out (padding). Lengths then become
+        start - offsets + T - skip.
 
         Tensor operations only, no host sync and no Python state (max_length
         is left as it is), so a static cache's step can run inside a compiled
         graph or a CUDA graph. Positions past the capacity are not checked."""
         k = self._checked_keys(k, v, impl)
+        if offsets is None and skip is None:
+            self._write_uniform(k, v, start, impl)
+        else:
+            self._write_rows(k, v, start, offsets, skip, impl)
+
+    def _write_uniform(self, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, impl: str) -> None:
         t = k.shape[2]
         p = start + torch.arange(t, device=self.device)
         for x, fmt, payload, scales in (
@@ -189,6 +203,55 @@ class QuantizedKV:
                     slot = cache_formats.high_slots(p[t - n :], self.sink, self.recent)
                     hi.index_copy_(2, slot, x[:, :, t - n :])
         self.lengths.copy_((start + t).to(torch.int32).expand(self.batch))
+
+    def _write_rows(self, k, v, start, offsets, skip, impl: str) -> None:
+        """`write_at` with per-row offsets and skipped leading tokens: the
+        kept tokens of each row are moved to the front (the rest, written
+        past the row's new length, is never read) and written at per-row
+        positions, the input-dtype slots per row as in `_write_uniform`."""
+        t, dev = k.shape[2], self.device
+        zeros = torch.zeros(self.batch, dtype=torch.long, device=dev)
+        offsets = zeros if offsets is None else offsets.to(dev, torch.long)
+        skip = zeros if skip is None else skip.to(dev, torch.long)
+        j = torch.arange(t, device=dev)
+        front = (j[None, :] + skip[:, None]).clamp(max=t - 1)
+        k, v = (x.gather(2, front[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])) for x in (k, v))
+        base = start - offsets
+        kept = t - skip
+        p = base[:, None] + j[None, :]
+        bi = torch.arange(self.batch, device=dev)[:, None].expand(self.batch, t)
+        for x, fmt, payload, scales in (
+            (k, self.policy.cache_k, self.k_payload, self.k_scales),
+            (v, self.policy.cache_v, self.v_payload, self.v_scales),
+        ):
+            enc, sc = encode_cache_tokens(x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]), fmt,
+                                          self.policy.scale_rule, impl)
+            cache_formats.write_tokens(payload, enc, p.reshape(-1), bi.reshape(-1))
+            if sc is not None:
+                scales[bi.reshape(-1), :, p.reshape(-1)] = sc
+        if self.hi_k is not None:
+            rows = torch.arange(self.batch, device=dev)[:, None]
+            for x, hi in ((k, self.hi_k), (v, self.hi_v)):
+                if self.sink:
+                    # Sink slot s of row r takes the row's kept token s - base[r], if there is one.
+                    token_index = torch.arange(self.sink, device=dev)[None, :] - base[:, None]
+                    mine = (token_index >= 0) & (token_index < kept[:, None])
+                    token = x.gather(2, token_index.clamp(0, t - 1)[:, None, :, None].expand(-1, x.shape[1], -1,
+                                                                                           x.shape[3]))
+                    hi[:, :, : self.sink] = torch.where(mine[:, None, :, None], token, hi[:, :, : self.sink])
+                n = min(t, self.recent)
+                if n:
+                    # Each row's last n kept tokens. Where a row kept fewer, the
+                    # extra entries repeat its last kept one (same slot, same
+                    # value: no two writes to one slot differ), or, keeping
+                    # none, write a slot's own value back.
+                    last = kept[:, None] - n + torch.arange(n, device=dev)[None, :]
+                    last = torch.where(last >= 0, last, kept[:, None] - 1)
+                    slot = cache_formats.high_slots(base[:, None] + last, self.sink, self.recent).clamp(min=0)
+                    new = x[rows, :, last.clamp(min=0)]
+                    old = hi[rows, :, slot]
+                    hi[rows, :, slot] = torch.where((last >= 0)[:, :, None, None], new, old)
+        self.lengths.copy_((base + kept).to(torch.int32))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the cache holds (payloads, scales, the input-dtype part, lengths)."""

@@ -183,6 +183,8 @@ def test_static_cache_under_torch_compile(seed):
             torch._dynamo.reset()
     assert torch.equal(compiled, eager) and torch.equal(again, eager)
     assert len(graphs) == 2, [len(g.graph.nodes) for g in graphs]
+    # The compiled prefill, too, stored the padded row from its first real token.
+    assert cache.layers[0].store.lengths.tolist() == [40 - 6 + 9, 40 + 9]
 
 
 @pytest.mark.gpu
@@ -288,11 +290,12 @@ def test_left_padded_prompt_is_stored_from_its_first_real_token(seed):
     torch.testing.assert_close(fallback[0:1].transpose(1, 2).float(), expected, atol=0.05, rtol=0.05)
 
 
-def test_left_padded_row_generates_as_the_prompt_alone(seed):
-    """With an FP8 cache, a left-padded row's logits are those of its prompt
-    generated alone (its sinks hold its own first tokens either way), to
-    float rounding; with the padding kept in storage they differed by the
-    quantization of its first tokens."""
+@pytest.mark.parametrize("max_cache_len", [None, 64])
+def test_left_padded_row_generates_as_the_prompt_alone(max_cache_len, seed):
+    """With an FP8 cache, growing or static, a left-padded row's logits are
+    those of its prompt generated alone (its sinks hold its own first tokens
+    either way), to float rounding; with the padding kept in storage they
+    differed by the quantization of its first tokens."""
     dma_compile.hf.register(FP8, impl="reference")
     dma = causal_lm("llama", "dma", seed)
     ids = torch.randint(1, 97, (2, 50), generator=torch.Generator().manual_seed(seed))
@@ -303,7 +306,10 @@ def test_left_padded_row_generates_as_the_prompt_alone(seed):
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
               return_dict_in_generate=True)
     with torch.no_grad():
-        batch = dma.generate(ids, attention_mask=mask, **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, FP8)), **kw)
+        cache = dma_compile.hf.DMACache(dma, FP8, max_cache_len)
+        batch = dma.generate(ids, attention_mask=mask, **dma_compile.hf.cache_kwargs(dma, cache), **kw)
         alone = dma.generate(ids[:1, pad:], **dma_compile.hf.cache_kwargs(dma, dma_compile.hf.DMACache(dma, FP8)), **kw)
+    store = cache.layers[0].store
+    assert store.lengths.tolist() == [ids.shape[1] - pad + 5, ids.shape[1] + 5]
     assert torch.equal(batch.sequences[0, pad:], alone.sequences[0])
     torch.testing.assert_close(torch.stack(batch.logits)[:, 0], torch.stack(alone.logits)[:, 0], atol=2e-4, rtol=2e-4)

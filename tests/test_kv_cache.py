@@ -66,6 +66,41 @@ def test_write_at_holds_what_append_holds(policy, pieces, seed):
             assert torch.equal(a, w)
 
 
+@pytest.mark.parametrize("policy", [POLICY, POLICY.replace(cache_k="mxfp8_e4m3", recent_tokens=0),
+                                    POLICY.replace(cache_k="none", cache_v="none"),
+                                    POLICY.replace(sink_tiles=1, recent_tokens=4)])
+@pytest.mark.parametrize("pieces", [(40, 1, 3, 25), (5, 1, 1, 30, 1)])
+def test_write_at_leaves_out_padding_as_append_does(policy, pieces, seed):
+    """A static cache's writes that skip each row's leading padding (skip,
+    then offsets) hold what appends of the rows' real tokens hold: the same
+    lengths, input-dtype slots and values; rows padded by 0, 3 and more
+    than the first piece (a row that keeps nothing of it)."""
+    b, h, d = 3, 2, 64
+    n = sum(pieces)
+    k, v = torch.randn(b, h, n, d).bfloat16(), torch.randn(b, h, n, d).bfloat16()
+    pads = torch.tensor([0, 3, pieces[0] + 1])
+    grown = QuantizedKV(b, h, d, capacity=n + 4, policy=policy, dtype=torch.bfloat16)
+    static = QuantizedKV(b, h, d, capacity=n + 4, policy=policy, dtype=torch.bfloat16)
+    position = torch.zeros((), dtype=torch.int64)
+    offsets = torch.zeros(b, dtype=torch.long)
+    for piece in pieces:
+        at = int(position)
+        skip = (pads - at).clamp(0, piece)
+        real = [torch.cat([k[i, :, at + int(skip[i]) : at + piece], k[i, :, :int(skip[i])]], dim=1) for i in range(b)]
+        real_v = [torch.cat([v[i, :, at + int(skip[i]) : at + piece], v[i, :, :int(skip[i])]], dim=1) for i in range(b)]
+        grown.append(torch.stack(real), torch.stack(real_v), num_tokens=piece - skip)
+        static.write_at(k[:, :, at : at + piece], v[:, :, at : at + piece], position, offsets=offsets, skip=skip)
+        position += piece
+        offsets += skip
+        assert torch.equal(static.lengths, grown.lengths)
+        static.max_length = grown.max_length
+        if static.hi_k is not None:
+            assert torch.equal(static.hi_k, grown.hi_k) and torch.equal(static.hi_v, grown.hi_v)
+        for a, w in zip(static.values(), grown.values()):
+            for i in range(b):
+                assert torch.equal(a[i, :, : grown.lengths[i]], w[i, :, : grown.lengths[i]])
+
+
 def test_attend_reference_matches_decode_reference(seed):
     k, v = torch.randn(2, 3, 70, 32).half(), torch.randn(2, 3, 70, 32).half()
     q = torch.randn(2, 9, 3, 32).half()
