@@ -232,8 +232,9 @@ class QuantizedKV:
         if self.hi_k is not None:
             rows = torch.arange(self.batch, device=dev)[:, None]
             for x, hi in ((k, self.hi_k), (v, self.hi_v)):
-                if self.sink:
-                    # Sink slot s of row r takes the row's kept token s - base[r], if there is one.
+                if t > self.recent and self.sink:
+                    # Sink slot s of row r takes the row's kept token s - base[r], if
+                    # there is one (a shorter step's tokens all go through the ring below).
                     token_index = torch.arange(self.sink, device=dev)[None, :] - base[:, None]
                     mine = (token_index >= 0) & (token_index < kept[:, None])
                     token = x.gather(2, token_index.clamp(0, t - 1)[:, None, :, None].expand(-1, x.shape[1], -1,

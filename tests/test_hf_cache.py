@@ -312,4 +312,8 @@ def test_left_padded_row_generates_as_the_prompt_alone(max_cache_len, seed):
     store = cache.layers[0].store
     assert store.lengths.tolist() == [ids.shape[1] - pad + 5, ids.shape[1] + 5]
     assert torch.equal(batch.sequences[0, pad:], alone.sequences[0])
-    torch.testing.assert_close(torch.stack(batch.logits)[:, 0], torch.stack(alone.logits)[:, 0], atol=2e-4, rtol=2e-4)
+    # Without the change the relative error was 5e-3 to 1e-2 (12 seeds); with
+    # it 4e-7, and 2e-4 where float rounding moved one value across an FP8 step.
+    padded, single = torch.stack(batch.logits)[:, 0], torch.stack(alone.logits)[:, 0]
+    err = ((padded - single).norm() / single.norm()).item()
+    assert err < 1e-3, f"seed {seed}: {err}"
