@@ -8,6 +8,9 @@ import dma_compile.hf
 import dma_compile.hf_cache
 from dma_compile import AttentionPolicy
 
+# Prompts draw tokens from 1 on: with pad_token_id=0 and no attention mask,
+# generate() reads a leading 0 of a batch row as left padding (which the
+# cache then leaves out of that row's storage).
 EXACT = AttentionPolicy.preset("exact")
 FP8 = EXACT.replace(tile=32, cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3", recent_tokens=4)
 
@@ -24,7 +27,7 @@ def teacher_forced(model, ids, prefix, cache):
 def test_uncompressed_cache_matches_sdpa(family, seed):
     dma_compile.hf.register(EXACT, impl="reference")
     sdpa, dma = causal_lm(family, "sdpa", seed), causal_lm(family, "dma", seed)
-    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         expected = sdpa(ids).logits[:, 23:-1]
         cache = dma_compile.hf.DMACache(dma, EXACT)
@@ -36,7 +39,7 @@ def test_uncompressed_cache_matches_sdpa(family, seed):
 def test_fp8_cache_is_close_and_generate_runs(seed):
     dma_compile.hf.register(EXACT, impl="reference")
     sdpa, dma = causal_lm("llama", "sdpa", seed), causal_lm("llama", "dma", seed)
-    ids = torch.randint(0, 97, (1, 50), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 97, (1, 50), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         expected = sdpa(ids).logits[:, 9:-1]
         out = teacher_forced(dma, ids, 10, dma_compile.hf.DMACache(dma, FP8))
@@ -53,7 +56,7 @@ def test_fp8_cache_is_close_and_generate_runs(seed):
 def test_padded_batch_generation_matches_sdpa(seed):
     dma_compile.hf.register(EXACT, impl="reference")
     sdpa, dma = causal_lm("llama", "sdpa", seed), causal_lm("llama", "dma", seed)
-    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -76,7 +79,7 @@ def test_rotating_cache_generates_close_to_exact(seed):
                            rotate="signed_hadamard")
     dma_compile.hf.register(EXACT, impl="reference")
     dma = causal_lm("llama", "dma", seed)
-    ids = torch.randint(0, 97, (1, 50), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 97, (1, 50), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         cache = dma_compile.hf.DMACache(dma, policy)
         out = teacher_forced(dma, ids, 10, cache)
@@ -96,7 +99,7 @@ def test_padded_batch_decodes_through_the_quantized_cache(seed, monkeypatch):
     monkeypatch.setattr(dma_compile.hf_cache, "_log_fallback_once", fallbacks.append)
     dma_compile.hf.register(FP8, impl="reference")
     sdpa, dma = causal_lm("llama", "sdpa", seed), causal_lm("llama", "dma", seed)
-    ids = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 97, (2, 60), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     with torch.no_grad():
@@ -136,7 +139,7 @@ def test_static_cache_matches_the_growing_one(seed):
     the growing one does, through the prefill and the decode steps."""
     dma_compile.hf.register(FP8, impl="reference")
     dma = causal_lm("llama", "dma", seed)
-    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
               return_dict_in_generate=True)
     with torch.no_grad():
@@ -156,7 +159,7 @@ def test_static_cache_under_torch_compile(seed):
     eager, and a padded batch's decode steps keep their key padding."""
     dma_compile.hf.register(FP8, impl="reference")
     dma = causal_lm("llama", "dma", seed)
-    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
     kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -200,7 +203,7 @@ def test_static_cache_in_cuda_graphs(cache_k, seed):
     policy = FP8.replace(cache_k=cache_k, rotate="signed_hadamard" if cache_k == "mxfp4_e2m1" else "none")
     dma_compile.hf.register(policy)
     dma = causal_lm("llama", "dma", seed, head_dim=64).to("cuda", torch.bfloat16)
-    ids = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(seed)).cuda()
+    ids = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(seed)).cuda()
     kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True)
     with torch.no_grad():
@@ -235,7 +238,7 @@ def test_compiled_chunked_prefill_into_a_static_cache_fails_loudly(seed):
     cannot attend to its own tokens alone: it fails, never silently wrong."""
     dma_compile.hf.register(FP8, impl="reference")
     dma = causal_lm("llama", "dma", seed)
-    ids = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 97, (1, 80), generator=torch.Generator().manual_seed(seed))
     cache = dma_compile.hf.DMACache(dma, FP8, max_cache_len=96)
     cache.early_initialization(1, 2, 32, torch.float32, torch.device("cpu"))
     torch._dynamo.reset()
