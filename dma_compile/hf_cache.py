@@ -41,7 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dma_compile.hf_config import NAME, checked_layers
-from dma_compile.kv_cache import QuantizedKV
+from dma_compile.kv_cache import QuantizedKV, left_aligned, tokens_at
 from dma_compile.policy import AttentionPolicy, ModelPolicy, as_model_policy, default_policy
 from dma_compile.reference import decode_keep, mask_keeps
 
@@ -60,20 +60,17 @@ def _log_fallback_once(reason: str) -> None:
     logger.warning("dma cache: attention runs stock SDPA: %s", reason)
 
 
-def _unpadded(x: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
-    """x (B, L, ...) with row b shifted left by pads[b] (its last pads[b] entries repeat the last one)."""
-    length = x.shape[1]
-    index = (torch.arange(length, device=x.device)[None, :] + pads[:, None].to(x.device)).clamp(max=length - 1)
-    return x.gather(1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
-
-
 def _repadded(x: torch.Tensor, lengths: torch.Tensor, pads: torch.Tensor, length: int) -> torch.Tensor:
     """x (B, H, L, D), row b's tokens stored from position 0, placed at
     positions pads[b] .. pads[b] + lengths[b] - 1 of (B, H, length, D), zeros elsewhere."""
     pos = torch.arange(length, device=x.device)[None, :] - pads[:, None].to(x.device)
     valid = (pos >= 0) & (pos < lengths[:, None].to(x.device))
-    index = pos.clamp(0, x.shape[2] - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
-    return x.gather(2, index) * valid[:, None, :, None]
+    return tokens_at(x, pos.clamp(0, x.shape[2] - 1)) * valid[:, None, :, None]
+
+
+def _key_keep_unpadded(keep: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """A (B, L) key-keep vector at the positions of storage without the left padding `pads`."""
+    return keep.gather(1, left_aligned(pads.to(keep.device), keep.shape[1]))
 
 
 class KeyPaddingMasks:
@@ -102,7 +99,7 @@ class KeyPaddingMasks:
         if keep.dim() == 4 and keep.shape[1] == 1 and keep.shape[2] == t and keep.shape[0] == lengths.shape[0]:
             candidate = keep[:, 0, -1, :]
             if torch.equal(keep[:, 0], decode_keep(padded, t, keep.shape[-1], candidate)):
-                key_keep = candidate.contiguous() if pads is None else _unpadded(candidate, pads)
+                key_keep = candidate.contiguous() if pads is None else _key_keep_unpadded(candidate, pads)
         self._last = (attention_mask, key_keep)
         return key_keep
 
@@ -152,13 +149,18 @@ class _QuantizedLayer(CacheLayerMixin):
         self.policy = policy
         self.masks = masks
         self.store: QuantizedKV | None = None
+        # (B,) left padding the store left out of each row (`prefill_seen`), or None.
+        self.pads: torch.Tensor | None = None
 
     def _key_keep(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
-        return self.masks.key_keep(attention_mask, self.store.lengths, t)
+        return self.masks.key_keep(attention_mask, self.store.lengths, t, self.pads)
 
     def _stored_values(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized K and V at the mask's positions (the first `length`)."""
-        return self.store.values()
+        values = self.store.values()
+        if self.pads is None:
+            return values
+        return tuple(_repadded(x, self.store.lengths, self.pads, length) for x in values)
 
     def prefill_seen(self, attention_mask: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor):
         """The attention function's word that a prefill ran over key_states
@@ -192,8 +194,6 @@ class DMACacheLayer(_QuantizedLayer):
         self.past_length = 0
         # Tokens seen, padding included (the store may leave a prompt's left padding out).
         self.seen = 0
-        # (B,) left padding the store left out of each row, or None.
-        self.pads: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, t, d = key_states.shape
@@ -229,19 +229,10 @@ class DMACacheLayer(_QuantizedLayer):
         pads = self.masks.left_padding(attention_mask, t)
         if pads is None:
             return
+        front = left_aligned(pads, t)
         self.store.reset()
-        self.store.append(*(_unpadded(x.transpose(1, 2), pads).transpose(1, 2) for x in (key_states, value_states)),
-                          num_tokens=t - pads)
+        self.store.append(tokens_at(key_states, front), tokens_at(value_states, front), num_tokens=t - pads)
         self.pads = pads
-
-    def _key_keep(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
-        return self.masks.key_keep(attention_mask, self.store.lengths, t, self.pads)
-
-    def _stored_values(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        values = self.store.values()
-        if self.pads is None:
-            return values
-        return tuple(_repadded(x, self.store.lengths, self.pads, length) for x in values)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -269,8 +260,6 @@ class DMAStaticCacheLayer(_QuantizedLayer):
         # Tokens written so far, and where the step in progress started.
         self.position = torch.zeros((), dtype=torch.int64)
         self.start = torch.zeros((), dtype=torch.int64)
-        # (B,) left padding the store left out of each row (zeros: none), set at lazy initialization.
-        self.pads: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -279,6 +268,7 @@ class DMAStaticCacheLayer(_QuantizedLayer):
         self.store.max_length = self.max_cache_len
         self.position = self.position.to(key_states.device)
         self.start = self.start.to(key_states.device)
+        # Static: zeros until a left-padded prefill, updated in place.
         self.pads = torch.zeros(b, dtype=torch.int64, device=key_states.device)
         if not torch.compiler.is_compiling():
             # Fixed addresses: compiled graphs and CUDA graphs update them in place.
@@ -330,11 +320,8 @@ class DMAStaticCacheLayer(_QuantizedLayer):
 
     def _key_keep(self, attention_mask: torch.Tensor, t: int) -> torch.Tensor | None:
         if torch.compiler.is_compiling():
-            return _unpadded(mask_keeps(attention_mask)[:, 0, -1, :], self.pads)
-        return self.masks.key_keep(attention_mask, self.store.lengths, t, self.pads)
-
-    def _stored_values(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(_repadded(x, self.store.lengths, self.pads, length) for x in self.store.values())
+            return _key_keep_unpadded(mask_keeps(attention_mask)[:, 0, -1, :], self.pads)
+        return super()._key_keep(attention_mask, t)
 
     def get_seq_length(self) -> torch.Tensor | int:
         return self.position if self.is_initialized else 0

@@ -37,6 +37,17 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
+def left_aligned(skip: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, length) indices along a row of `length` that bring row b's entries
+    from skip[b] on to the front (the last skip[b] repeat its last entry)."""
+    return (torch.arange(length, device=skip.device)[None, :] + skip[:, None]).clamp(max=length - 1)
+
+
+def tokens_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D) at the per-row token indices index (B, n): (B, H, n, D)."""
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -165,60 +176,22 @@ class QuantizedKV:
 
         offsets (batch,): each row's positions are start - offsets[row] on
         (the padding left out of it so far); skip (batch,): the first
-        skip[row] of the T tokens are left out (padding). Lengths then become
-        start - offsets + T - skip.
+        skip[row] of the T tokens are left out (padding): the kept ones move
+        to the front, and the rest, written past the row's new length, is
+        never read. Lengths then become start - offsets + T - skip.
 
         Tensor operations only, no host sync and no Python state (max_length
         is left as it is), so a static cache's step can run inside a compiled
         graph or a CUDA graph. Positions past the capacity are not checked."""
         k = self._checked_keys(k, v, impl)
-        if offsets is None and skip is None:
-            self._write_uniform(k, v, start, impl)
-        else:
-            self._write_rows(k, v, start, offsets, skip, impl)
-
-    def _write_uniform(self, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, impl: str) -> None:
-        t = k.shape[2]
-        p = start + torch.arange(t, device=self.device)
-        for x, fmt, payload, scales in (
-            (k, self.policy.cache_k, self.k_payload, self.k_scales),
-            (v, self.policy.cache_v, self.v_payload, self.v_scales),
-        ):
-            enc, sc = encode_cache_tokens(x, fmt, self.policy.scale_rule, impl)
-            cache_formats.write_tokens(payload, enc, p)
-            if sc is not None:
-                scales.index_copy_(2, p, sc)
-        if self.hi_k is not None:
-            for x, hi in ((k, self.hi_k), (v, self.hi_v)):
-                if t > self.recent and self.sink:
-                    # Sink slot s takes token s - start of this step, if there is one.
-                    s = torch.arange(self.sink, device=self.device)
-                    offset = s - start
-                    token = x[:, :, offset.clamp(0, t - 1)]
-                    mine = ((offset >= 0) & (offset < t))[None, None, :, None]
-                    hi[:, :, : self.sink] = torch.where(mine, token, hi[:, :, : self.sink])
-                n = min(t, self.recent)
-                if n:
-                    # The last n tokens: distinct slots (sinks or the ring), the recent window's new state.
-                    slot = cache_formats.high_slots(p[t - n :], self.sink, self.recent)
-                    hi.index_copy_(2, slot, x[:, :, t - n :])
-        self.lengths.copy_((start + t).to(torch.int32).expand(self.batch))
-
-    def _write_rows(self, k, v, start, offsets, skip, impl: str) -> None:
-        """`write_at` with per-row offsets and skipped leading tokens: the
-        kept tokens of each row are moved to the front (the rest, written
-        past the row's new length, is never read) and written at per-row
-        positions, the input-dtype slots per row as in `_write_uniform`."""
         t, dev = k.shape[2], self.device
         zeros = torch.zeros(self.batch, dtype=torch.long, device=dev)
-        offsets = zeros if offsets is None else offsets.to(dev, torch.long)
-        skip = zeros if skip is None else skip.to(dev, torch.long)
-        j = torch.arange(t, device=dev)
-        front = (j[None, :] + skip[:, None]).clamp(max=t - 1)
-        k, v = (x.gather(2, front[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])) for x in (k, v))
-        base = start - offsets
-        kept = t - skip
-        p = base[:, None] + j[None, :]
+        kept = t - (zeros if skip is None else skip.to(dev, torch.long))
+        if skip is not None:
+            front = left_aligned(skip.to(dev, torch.long), t)
+            k, v = tokens_at(k, front), tokens_at(v, front)
+        base = start - (zeros if offsets is None else offsets.to(dev, torch.long))
+        p = base[:, None] + torch.arange(t, device=dev)[None, :]
         bi = torch.arange(self.batch, device=dev)[:, None].expand(self.batch, t)
         for x, fmt, payload, scales in (
             (k, self.policy.cache_k, self.k_payload, self.k_scales),
@@ -237,15 +210,14 @@ class QuantizedKV:
                     # there is one (a shorter step's tokens all go through the ring below).
                     token_index = torch.arange(self.sink, device=dev)[None, :] - base[:, None]
                     mine = (token_index >= 0) & (token_index < kept[:, None])
-                    token = x.gather(2, token_index.clamp(0, t - 1)[:, None, :, None].expand(-1, x.shape[1], -1,
-                                                                                           x.shape[3]))
+                    token = tokens_at(x, token_index.clamp(0, t - 1))
                     hi[:, :, : self.sink] = torch.where(mine[:, None, :, None], token, hi[:, :, : self.sink])
                 n = min(t, self.recent)
                 if n:
-                    # Each row's last n kept tokens. Where a row kept fewer, the
-                    # extra entries repeat its last kept one (same slot, same
-                    # value: no two writes to one slot differ), or, keeping
-                    # none, write a slot's own value back.
+                    # Each row's last n kept tokens, the recent window's new state.
+                    # Where a row kept fewer, the extra entries repeat its last
+                    # kept one (same slot, same value: no two writes to one slot
+                    # differ), or, keeping none, write a slot's own value back.
                     last = kept[:, None] - n + torch.arange(n, device=dev)[None, :]
                     last = torch.where(last >= 0, last, kept[:, None] - 1)
                     slot = cache_formats.high_slots(base[:, None] + last, self.sink, self.recent).clamp(min=0)
