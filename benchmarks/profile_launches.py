@@ -12,8 +12,9 @@ DynamicCache holds them.
     python benchmarks/profile_launches.py --pass-launches rule fewest    # the pass's launch layouts side by side
 
 --pass-launches (`attention_sm90.pass_launches`): `rule` keeps
-`FEWEST_LAUNCHES_BELOW`; `fewest` puts Q's programs in the statistics launch
-and V's in K's token launch at every size, `most` gives each its own launch.
+`FEWEST_LAUNCHES_BELOW` and `Q_BESIDE_STATISTICS_BELOW`; `fewest` puts Q's
+programs in the statistics launch and V's in K's token launch at every
+size, `most` gives each its own launch (Q too, without FP8 P·V).
 """
 
 from __future__ import annotations

@@ -206,10 +206,29 @@ def test_large_fp8_pv_calls_give_q_and_v_launches_of_their_own(fake_kernels, mon
     from dma_compile.kernels import attention_sm90
 
     monkeypatch.setattr(attention_sm90, "FEWEST_LAUNCHES_BELOW", 0)
+    attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES["hopper"])
+    assert [entry[1].__name__ for entry in fake_kernels] == [
+        "_kv_stats_kernel", "_quantize_tokens_kernel", "_dma_attention_kernel"]
+    fake_kernels.clear()
     attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES["hopper_fp8pv"])
     assert [entry[1].__name__ for entry in fake_kernels] == [
         "_quantize_tokens_kernel", "_kv_stats_kernel", "_quantize_tokens_kernel", "_quantize_kv_kernel",
         "_dma_attention_kernel"]
+
+
+def test_large_calls_without_fp8_pv_can_give_q_a_launch_of_its_own(fake_kernels, monkeypatch):
+    """Q_BESIDE_STATISTICS_BELOW moves Q's programs out of the statistics
+    launch of a pass without FP8 P·V, and only of such a pass."""
+    from dma_compile.kernels import attention_sm90
+
+    monkeypatch.setattr(attention_sm90, "Q_BESIDE_STATISTICS_BELOW", 0)
+    attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES["hopper"])
+    assert [entry[1].__name__ for entry in fake_kernels] == [
+        "_quantize_tokens_kernel", "_kv_stats_kernel", "_quantize_tokens_kernel", "_dma_attention_kernel"]
+    fake_kernels.clear()
+    attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES["hopper_fp8pv"])
+    assert [entry[1].__name__ for entry in fake_kernels] == [
+        "_kv_stats_kernel", "_quantize_kv_kernel", "_dma_attention_kernel"]
 
 
 def test_replay_zeroes_the_counters_it_was_given_as_zeros(monkeypatch):
@@ -261,29 +280,33 @@ def test_replay_needs_the_same_signature(fake_kernels, monkeypatch):
         log.clear()
         attention_sm90.attention_sm90(*inputs(), None, causal, None, policy)
         assert log and all(entry[0] == "triton" for entry in log)
-    # Another launch layout of the pass (benchmarks set the rule) is another call.
-    monkeypatch.setattr(attention_sm90, "FEWEST_LAUNCHES_BELOW", 0)
-    log.clear()
-    attention_sm90.attention_sm90(*inputs(), None, True, None, HOPPER)
-    assert log and all(entry[0] == "triton" for entry in log)
+    # Another launch layout of the pass (benchmarks set the rules) is another call.
+    for rule in ("FEWEST_LAUNCHES_BELOW", "Q_BESIDE_STATISTICS_BELOW"):
+        monkeypatch.setattr(attention_sm90, rule, 0)
+        log.clear()
+        attention_sm90.attention_sm90(*inputs(), None, True, None, HOPPER)
+        assert log and all(entry[0] == "triton" for entry in log)
 
 
 def test_pass_launch_layouts(fake_kernels):
-    """pass_launches("fewest") takes the FP8 P·V pass to three launches (Q
-    beside the statistics, V beside K) and "most" to five, at any size, and
-    the rule comes back after it; an unknown layout is refused by name."""
+    """pass_launches("fewest") takes a call with FP8 P·V to three launches
+    (Q beside the statistics, V beside K) and "most" to five, at any size,
+    one without FP8 P·V to three and four, and the rules come back after
+    it; an unknown layout is refused by name."""
     from dma_compile.kernels import attention_sm90
 
     log = fake_kernels
-    rule = attention_sm90.FEWEST_LAUNCHES_BELOW
+    rules = attention_sm90.FEWEST_LAUNCHES_BELOW, attention_sm90.Q_BESIDE_STATISTICS_BELOW
     counts = {}
     for layout in ("fewest", "most"):
-        log.clear()
-        with attention_sm90.pass_launches(layout):
-            attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES["hopper_fp8pv"])
-        counts[layout] = sum(entry[1].fn is not attention_sm90._dma_attention_kernel.fn for entry in log)
-    assert counts == {"fewest": 3, "most": 5}
-    assert attention_sm90.FEWEST_LAUNCHES_BELOW == rule
+        for name in ("hopper_fp8pv", "hopper"):
+            log.clear()
+            with attention_sm90.pass_launches(layout):
+                attention_sm90.attention_sm90(*inputs(), None, True, None, POLICIES[name])
+            counts[layout, name] = len(log)
+    assert counts == {("fewest", "hopper_fp8pv"): 3, ("most", "hopper_fp8pv"): 5,
+                      ("fewest", "hopper"): 3, ("most", "hopper"): 4}
+    assert (attention_sm90.FEWEST_LAUNCHES_BELOW, attention_sm90.Q_BESIDE_STATISTICS_BELOW) == rules
     with pytest.raises(ValueError, match="layout"):
         with attention_sm90.pass_launches("two"):
             pass

@@ -416,8 +416,12 @@ class QuantizedInputs:
 # statistics) and V^T's beside K's token programs run slower than in launches
 # of their own (BENCHMARKS.md, 2026-12-05, "Fewer launches").
 FEWEST_LAUNCHES_BELOW = 2**24
-# `pass_launches` layouts: the rule above, three launches at every size, five with FP8 P·V at every size.
-PASS_LAUNCH_LAYOUTS = {"rule": None, "fewest": 2**62, "most": 0}
+# The same for a pass without FP8 P·V, whose only choice is Q's programs in
+# the statistics launch (two launches) or in one of their own (three).
+Q_BESIDE_STATISTICS_BELOW = 2**62
+# `pass_launches` layouts as (FEWEST_LAUNCHES_BELOW, Q_BESIDE_STATISTICS_BELOW):
+# the rules above, the fewest launches at every size, the most at every size.
+PASS_LAUNCH_LAYOUTS = {"rule": None, "fewest": (2**62, 2**62), "most": (0, 0)}
 
 
 @contextlib.contextmanager
@@ -425,16 +429,16 @@ def pass_launches(layout: str):
     """Within it, the pass takes `layout`'s launches (PASS_LAUNCH_LAYOUTS),
     for benchmarks that time the layouts against each other; calls replayed
     from another layout are not reused (`signature`)."""
-    global FEWEST_LAUNCHES_BELOW
+    global FEWEST_LAUNCHES_BELOW, Q_BESIDE_STATISTICS_BELOW
     if layout not in PASS_LAUNCH_LAYOUTS:
         raise ValueError(f"layout must be one of {list(PASS_LAUNCH_LAYOUTS)}, got {layout!r}")
-    saved = FEWEST_LAUNCHES_BELOW
+    saved = FEWEST_LAUNCHES_BELOW, Q_BESIDE_STATISTICS_BELOW
     if PASS_LAUNCH_LAYOUTS[layout] is not None:
-        FEWEST_LAUNCHES_BELOW = PASS_LAUNCH_LAYOUTS[layout]
+        FEWEST_LAUNCHES_BELOW, Q_BESIDE_STATISTICS_BELOW = PASS_LAUNCH_LAYOUTS[layout]
     try:
         yield
     finally:
-        FEWEST_LAUNCHES_BELOW = saved
+        FEWEST_LAUNCHES_BELOW, Q_BESIDE_STATISTICS_BELOW = saved
 
 
 def quantize_inputs(
@@ -443,7 +447,8 @@ def quantize_inputs(
 ) -> QuantizedInputs:
     """The quantization pass: K's (and V's) statistics and Q, then K (and V),
     in the kernel's layouts, in three launches (five for large calls with
-    FP8 P·V, `FEWEST_LAUNCHES_BELOW`).
+    FP8 P·V, `FEWEST_LAUNCHES_BELOW`; without FP8 P·V, two, or three with
+    Q's own from `Q_BESIDE_STATISTICS_BELOW`).
 
     k and v must already have their stride-0 heads collapsed (`schedule.collapse_expanded_heads`).
     key_keep, key_limit: the keys that count (`masks.counted_key_arguments`; default all).
@@ -460,7 +465,8 @@ def quantize_inputs(
     if not quantize_q and (balancing or policy.rotate != "none"):
         raise ValueError("quantize_q=False: a rotating or balancing policy's Q must be quantized by the pass")
     # Balancing's factors need K's mean, so Q waits for the statistics.
-    fewest_launches = not balancing and (not fp8_pv or k.numel() + v.numel() < FEWEST_LAUNCHES_BELOW)
+    below = FEWEST_LAUNCHES_BELOW if fp8_pv else Q_BESIDE_STATISTICS_BELOW
+    fewest_launches = not balancing and k.numel() + v.numel() < below
     q_plan = None
     if quantize_q and not balancing:
         q_plan = plan_tokens(q, mx_formats, policy.mx_mode, policy.scale_rule, pow2_scales=True,
@@ -645,7 +651,7 @@ def signature(q, k, v, is_causal: bool, scale: float | None, policy: AttentionPo
     (the pass's launch layout rule too: benchmarks set it per run)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, is_causal, scale,
             policy.to_string(), q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, launch.AUTOTUNE,
-            FEWEST_LAUNCHES_BELOW)
+            FEWEST_LAUNCHES_BELOW, Q_BESIDE_STATISTICS_BELOW)
 
 
 def _attention(q, k, v, attn_mask, is_causal: bool, scale: float | None, policy: AttentionPolicy,

@@ -32,7 +32,8 @@ quantized by further programs of the same launch
 (`kv_statistics(..., alongside=plan_tokens(q, ...))`), and K and V, which
 need them, by one launch after it (`quantize_keys_and_values`): a Hopper
 call makes three launches, the attention kernel's included (five for large
-ones with FP8 P·V: `attention_sm90.FEWEST_LAUNCHES_BELOW`).
+ones with FP8 P·V: `attention_sm90.FEWEST_LAUNCHES_BELOW`; Q in a launch of
+its own without: `Q_BESIDE_STATISTICS_BELOW`).
 The rounding is bit-identical to `dma_compile.formats` (nearest even,
 saturating, rceil/floor scale rules, E8M0 exponents clamped to [-127, 127],
 NaN/Inf blocks read back NaN).
