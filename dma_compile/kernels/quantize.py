@@ -199,6 +199,57 @@ def _counted(KEEP, skp_b, skp_h, b, h, rows, ok, HAS_KEEP: tl.constexpr):
 
 
 @triton.jit
+def _stats_load(ptrs, ok, TAIL: tl.constexpr):
+    if TAIL:
+        x = tl.load(ptrs, mask=ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _kv_stats_tiles(
+    l0, k_src, sk_l, sk_d, v_src, sv_l, sv_d, KEEP, skp_b, skp_h, b, h, L,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
+    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HAS_KEEP: tl.constexpr, TAIL: tl.constexpr,
+):
+    """Keys l0 .. l0 + BLOCK_L of K and V (0 where not needed) and which of
+    them count (`_counted`); only a TAIL step masks keys from L on: a masked
+    load with a fill value writes its registers first, which orders it after
+    the last use of whatever shared them."""
+    rows = l0 + tl.arange(0, BLOCK_L)
+    if TAIL:
+        ok = rows < L
+    else:
+        ok = tl.full([BLOCK_L], True, tl.int1)
+    kt = 0.0
+    vt = 0.0
+    if NEED_K:
+        kt = _stats_load(k_src + rows[:, None].to(tl.int64) * sk_l + tl.arange(0, D)[None, :] * sk_d, ok, TAIL)
+    if NEED_V:
+        vt = _stats_load(v_src + rows[:, None].to(tl.int64) * sv_l + tl.arange(0, DV)[None, :] * sv_d, ok, TAIL)
+    counted = _counted(KEEP, skp_b, skp_h, b, h, rows, ok, HAS_KEEP)[:, None]
+    return kt, vt, counted
+
+
+@triton.jit
+def _kv_stats_accumulate(
+    ksum, kcnt, vmax_bits, kt, vt, counted,
+    NEED_K: tl.constexpr, NEED_V: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    """The accumulators with one step's tiles (`_kv_stats_tiles`) added."""
+    if NEED_K:
+        k32 = to_f32(kt, HW_CVT)
+        use = counted & (tl.abs(k32) < float("inf"))
+        ksum += tl.where(use, k32, 0.0).to(tl.float64)
+        kcnt += use.to(tl.int32)
+    if NEED_V:
+        bits = to_f32(vt, HW_CVT).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        vmax_bits = tl.maximum(vmax_bits, tl.where(counted & (bits < 0x7F800000), bits, 0))
+    return ksum, kcnt, vmax_bits
+
+
+@triton.jit
 def _kv_stats_chunk(
     pid_c, pid_bh,
     K, sk_b, sk_h, sk_l, sk_d, V, sv_b, sv_h, sv_l, sv_d,
@@ -211,35 +262,40 @@ def _kv_stats_chunk(
     amax of |V| (docs/semantics.md: a masked-out or non-finite key does not
     move the statistics of the others).
 
-    The loop only loads and accumulates element-wise in registers, so loads
-    of several iterations and programs overlap; the one cross-thread
-    reduction is after it. |V|'s float32 bits order like |V|, Inf and NaN
+    The loop only loads and accumulates element-wise in registers; the one
+    cross-thread reduction is after it. It loads each step's tiles one step
+    ahead: the compiler issues a step's loads only after the first use of
+    some of them, so loading and using in one step would wait a memory
+    latency or two per step. |V|'s float32 bits order like |V|, Inf and NaN
     above every finite value, so the finite ones are those below Inf's bits.
     """
     b = pid_bh // H
     h = pid_bh % H
-    dk = tl.arange(0, D)
-    dv = tl.arange(0, DV)
     ksum = tl.zeros([BLOCK_L, D], dtype=tl.float64)
     kcnt = tl.zeros([BLOCK_L, D], dtype=tl.int32)
     vmax_bits = tl.zeros([BLOCK_L, DV], dtype=tl.int32)
     k_src = K + b.to(tl.int64) * sk_b + h.to(tl.int64) * sk_h
     v_src = V + b.to(tl.int64) * sv_b + h.to(tl.int64) * sv_h
     start = pid_c * CHUNK
-    for l0 in range(start, tl.minimum(start + CHUNK, L), BLOCK_L):
-        rows = l0 + tl.arange(0, BLOCK_L)
-        ok = rows < L
-        counted = _counted(KEEP, skp_b, skp_h, b, h, rows, ok, HAS_KEEP)[:, None]
-        if NEED_K:
-            kt = tl.load(k_src + rows[:, None].to(tl.int64) * sk_l + dk[None, :] * sk_d, mask=ok[:, None], other=0.0)
-            kt = to_f32(kt, HW_CVT)
-            use = counted & (tl.abs(kt) < float("inf"))
-            ksum += tl.where(use, kt, 0.0).to(tl.float64)
-            kcnt += use.to(tl.int32)
-        if NEED_V:
-            vt = tl.load(v_src + rows[:, None].to(tl.int64) * sv_l + dv[None, :] * sv_d, mask=ok[:, None], other=0.0)
-            bits = to_f32(vt, HW_CVT).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            vmax_bits = tl.maximum(vmax_bits, tl.where(counted & (bits < 0x7F800000), bits, 0))
+    end = tl.minimum(start + CHUNK, L)
+    last_full = start + ((end - start) // BLOCK_L - 1) * BLOCK_L
+    if last_full >= start:
+        kt, vt, counted = _kv_stats_tiles(start, k_src, sk_l, sk_d, v_src, sv_l, sv_d, KEEP, skp_b, skp_h, b, h, L,
+                                          D, DV, BLOCK_L, NEED_K, NEED_V, HAS_KEEP, False)
+        for l0 in range(start, last_full, BLOCK_L):
+            k_next, v_next, counted_next = _kv_stats_tiles(
+                l0 + BLOCK_L, k_src, sk_l, sk_d, v_src, sv_l, sv_d, KEEP, skp_b, skp_h, b, h, L,
+                D, DV, BLOCK_L, NEED_K, NEED_V, HAS_KEEP, False)
+            ksum, kcnt, vmax_bits = _kv_stats_accumulate(ksum, kcnt, vmax_bits, kt, vt, counted,
+                                                         NEED_K, NEED_V, HW_CVT)
+            kt, vt, counted = k_next, v_next, counted_next
+        ksum, kcnt, vmax_bits = _kv_stats_accumulate(ksum, kcnt, vmax_bits, kt, vt, counted, NEED_K, NEED_V, HW_CVT)
+    if last_full + BLOCK_L < end:
+        kt, vt, counted = _kv_stats_tiles(last_full + BLOCK_L, k_src, sk_l, sk_d, v_src, sv_l, sv_d, KEEP, skp_b,
+                                          skp_h, b, h, L, D, DV, BLOCK_L, NEED_K, NEED_V, HAS_KEEP, True)
+        ksum, kcnt, vmax_bits = _kv_stats_accumulate(ksum, kcnt, vmax_bits, kt, vt, counted, NEED_K, NEED_V, HW_CVT)
+    dk = tl.arange(0, D)
+    dv = tl.arange(0, DV)
     if NEED_K:
         tl.store(KSUM + (pid_bh * N_CHUNKS + pid_c) * D + dk, tl.sum(ksum, axis=0))
         tl.store(KCNT + (pid_bh * N_CHUNKS + pid_c) * D + dk, tl.sum(kcnt, axis=0))
