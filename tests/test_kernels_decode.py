@@ -127,7 +127,10 @@ def test_a_launch_config_must_fit_its_steps():
     cache = _cache(BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3"), 1, 1, 32, [40], torch.bfloat16)
     q = torch.randn(1, 1, 1, 32, device=DEVICE).bfloat16()
     c = cache
-    for bad, match in [(DecodeConfig(block_n=24, chunk=48), "block_n"), (DecodeConfig(block_n=16, chunk=40), "chunk")]:
+    for bad, match in [(DecodeConfig(block_n=24, chunk=48), "block_n"), (DecodeConfig(block_n=16, chunk=40), "chunk"),
+                       (DecodeConfig(block_n=16, chunk=64, pieces=-1), "pieces"),
+                       (DecodeConfig(block_n=16, chunk=64, pieces=4, min_chunk=48), "min_chunk"),
+                       (DecodeConfig(block_n=16, chunk=64, pieces=4), "min_chunk")]:
         with pytest.raises(ValueError, match=match):
             decode_attention(
                 q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths, c.max_length,
@@ -310,6 +313,48 @@ def test_warp_streams_match_reference(warps, block_n, chunk, seed):
     out = decode_attention(q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths,
                            c.max_length, c.sink, c.recent, c.policy.cache_k, c.policy.cache_v, config=config)
     torch.testing.assert_close(out.float(), decode_attention_math(q, *c.values(), c.lengths), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("window", [True, False])
+def test_split_by_pieces_matches_reference(window, seed):
+    """Programs sized from each sequence's own length (`DecodeConfig.pieces`):
+    sequences from 1 key to several full-size programs in one batch, with
+    and without the sinks and recent window, keep every key once; pieces=0
+    (a fixed split) agrees."""
+    from dma_compile.kernels.decode import DecodeConfig, decode_attention
+
+    policy = BASE.replace(cache_k="mxfp8_e4m3", cache_v="mxfp8_e4m3")
+    if not window:
+        policy = policy.replace(sink_tiles=0, recent_tokens=0)
+    lengths = [1, 17, 64, 130, 251, 400]
+    c = _cache(policy, len(lengths), 2, 32, lengths, torch.bfloat16)
+    q = torch.randn(len(lengths), 4, 1, 32, device=DEVICE).bfloat16()
+    expected = decode_attention_math(q, *c.values(), c.lengths)
+    pieces, fixed = DecodeConfig(block_n=16, chunk=64, pieces=3, min_chunk=16), DecodeConfig(block_n=16, chunk=64)
+    # A short cache takes more, smaller programs than a fixed split gives it.
+    assert (pieces.programs_per_sequence(100), fixed.programs_per_sequence(100)) == (3, 2)
+    for config in (pieces, fixed):
+        out = decode_attention(q, c.k_payload, c.k_scales, c.v_payload, c.v_scales, c.hi_k, c.hi_v, c.lengths,
+                               c.max_length, c.sink, c.recent, c.policy.cache_k, c.policy.cache_v, config=config)
+        torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_programs_per_sequence_bounds_every_shorter_sequence():
+    """The grid (`programs_per_sequence` of the batch's longest) holds every
+    shorter sequence's programs: the kernel's keys per program, in Python."""
+    from dma_compile.kernels.decode import DecodeConfig
+
+    for config in (DecodeConfig(block_n=16, chunk=64, pieces=3, min_chunk=16),
+                   DecodeConfig(block_n=32, chunk=4096, pieces=16, min_chunk=256),
+                   DecodeConfig(block_n=32, chunk=4096)):
+        for longest in (1, 15, 100, 1000, 5000, 70000):
+            grid = config.programs_per_sequence(longest)
+            for span in range(1, longest + 1, max(1, longest // 500)):
+                if config.pieces:
+                    keys = min(-(-(-(-span // config.pieces)) // config.min_chunk) * config.min_chunk, config.chunk)
+                else:
+                    keys = config.chunk
+                assert -(-span // keys) <= grid, (config, longest, span)
 
 
 @pytest.mark.parametrize(

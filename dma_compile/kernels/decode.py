@@ -322,16 +322,30 @@ def _attend_range(
 
 
 @triton.jit
+def _chunk_keys(span, CHUNK, MIN_CHUNK, PIECES: tl.constexpr):
+    """Keys per program over a sequence's `span` quantized keys: CHUNK, or
+    with PIECES, span / PIECES rounded up to a multiple of MIN_CHUNK, within
+    [MIN_CHUNK, CHUNK] (`DecodeConfig`). From the sequence's own length
+    only, so its split is the same in any batch."""
+    if PIECES > 0:
+        per = tl.cdiv(tl.cdiv(tl.maximum(span, 1), PIECES), MIN_CHUNK) * MIN_CHUNK
+        keys = tl.minimum(per, CHUNK)
+    else:
+        keys = CHUNK
+    return keys
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, KP, KS, VP, VS, HK, HV, LENGTHS, KEEP, O_PART, LSE_PART,
     sqb, sqh, sqt, skeep,
     skb, skh, skt, sksb, sksh, skst,
     svb, svh, svt, svsb, svsh, svst,
     shb, shh, sht,
-    sm_scale, T, G, HKV, CHUNK, SINK, RECENT,
+    sm_scale, T, G, HKV, CHUNK, MIN_CHUNK, SINK, RECENT,
     K_FMT: tl.constexpr, V_FMT: tl.constexpr, V_BLOCKED: tl.constexpr, HAS_HI: tl.constexpr, HAS_KEEP: tl.constexpr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    HW_CVT: tl.constexpr,
+    PIECES: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -402,14 +416,16 @@ def _decode_split_kernel(
                 acc, m_i, l_i, q, q, q, q16, q16_scale, lo_end, length, visible, qpos, SINK, RECENT, keep_row, hk, hk, hv, hv,
                 sht, 0, sht, 0, sm_scale, 0, 0, False, True, HAS_KEEP, D, W, BLOCK_N, 1, HW_CVT)
         else:
-            start = lo_start + (chunk - 1) * CHUNK
+            keys = _chunk_keys(lo_end - lo_start, CHUNK, MIN_CHUNK, PIECES)
+            start = lo_start + (chunk - 1) * keys
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(lo_end, start + CHUNK), visible, qpos, 0, 0,
+                acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(lo_end, start + keys), visible, qpos, 0, 0,
                 keep_row, kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, V_BLOCKED, False, HAS_KEEP, D, W, BLOCK_N, STAGES, HW_CVT)
     else:
-        start = chunk * CHUNK
+        keys = _chunk_keys(length, CHUNK, MIN_CHUNK, PIECES)
+        start = chunk * keys
         acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(length, start + CHUNK), visible, qpos, 0, 0,
+            acc, m_i, l_i, q, q_even, q_odd, q16, q16_scale, start, tl.minimum(length, start + keys), visible, qpos, 0, 0,
             keep_row, kp, ks, vp, vs, skt, skst, svt, svst, sm_scale, K_FMT, V_FMT, V_BLOCKED, False, HAS_KEEP, D, W, BLOCK_N, STAGES, HW_CVT)
 
     # Merge the warps' streams, once per program.
@@ -455,13 +471,27 @@ class DecodeConfig:
     step is num_warps * block_n keys, each warp an independent softmax
     stream), keys per program (the split: a multiple of block_n), warps, the
     pipeline stages of the payload loads, and a cap on registers per thread
-    (None: the compiler's choice), which sets how many programs share an SM."""
+    (None: the compiler's choice), which sets how many programs share an SM.
+
+    pieces > 0 splits each sequence's quantized keys into about `pieces`
+    programs instead: its length / pieces rounded up to a multiple of
+    min_chunk, at most `chunk` keys each (so a long sequence still takes
+    `chunk`-key programs). A short cache then still spreads over the GPU's
+    SMs, where a fixed split leaves most of them idle at batch 1."""
 
     block_n: int
     chunk: int
     num_warps: int = 4
     num_stages: int = 2
     maxnreg: int | None = None
+    pieces: int = 0
+    min_chunk: int = 0
+
+    def programs_per_sequence(self, keys: int) -> int:
+        """Programs over the quantized keys of a sequence with at most `keys` of them."""
+        if self.pieces == 0:
+            return triton.cdiv(keys, self.chunk)
+        return max(min(self.pieces, triton.cdiv(keys, self.min_chunk)), triton.cdiv(keys, self.chunk))
 
     def compile_options(self) -> dict:
         """Triton compile options beyond warps and stages (a launch's keyword arguments)."""
@@ -470,15 +500,16 @@ class DecodeConfig:
 
 def default_config(head_dim: int) -> DecodeConfig:
     """The launch used unless one is given. On a GPU: from sweeps of
-    benchmarks/sweep_decode.py on an H100 with Triton 3.6 (BENCHMARKS.md,
-    2026-12-06, night); the interpreter takes small steps.
+    benchmarks/sweep_decode.py on an H100 with Triton 3.6 (BENCHMARKS.md);
+    the interpreter takes small steps and splits by pieces too.
 
-    The split is a fixed number of keys, never derived from the batch or its
-    longest sequence: chunk boundaries then sit at the same positions whatever
-    else is in the batch, so each sequence's output is batch-invariant.
+    The split never depends on the batch or its longest sequence, only on
+    each sequence's own length: chunk boundaries then sit at the same
+    positions whatever else is in the batch, so each sequence's output is
+    batch-invariant.
     """
     if INTERPRET:
-        return DecodeConfig(block_n=16, chunk=64)
+        return DecodeConfig(block_n=16, chunk=64, pieces=4, min_chunk=16)
     return _gpu_config(head_dim)
 
 
@@ -486,11 +517,13 @@ def _gpu_config(head_dim: int) -> DecodeConfig:
     # Up to head_dim 64, 168 registers let three programs share an SM (two at
     # the compiler's choice); at 128 a program needs 255 whatever the cap,
     # and 4096 keys per program leave fewer programs for a last, partial round.
+    # A sequence shorter than pieces * chunk keys takes smaller programs.
     if head_dim <= 64:
-        return DecodeConfig(block_n=32, chunk=2048, num_warps=4, num_stages=3, maxnreg=168)
+        return DecodeConfig(block_n=32, chunk=2048, num_warps=4, num_stages=3, maxnreg=168, pieces=16,
+                            min_chunk=256)
     if head_dim <= 128:
-        return DecodeConfig(block_n=32, chunk=4096, num_warps=4, num_stages=3)
-    return DecodeConfig(block_n=16, chunk=2048, num_warps=4, num_stages=2)
+        return DecodeConfig(block_n=32, chunk=4096, num_warps=4, num_stages=3, pieces=16, min_chunk=256)
+    return DecodeConfig(block_n=16, chunk=2048, num_warps=4, num_stages=2, pieces=16, min_chunk=256)
 
 
 def _check_config(config: DecodeConfig) -> None:
@@ -499,6 +532,12 @@ def _check_config(config: DecodeConfig) -> None:
                          f"in one key block of an e4m3 V store), got {config.block_n}")
     if config.chunk < config.block_n or config.chunk % config.block_n:
         raise ValueError(f"config: chunk must be a positive multiple of block_n ({config.block_n}), got {config.chunk}")
+    if config.pieces < 0:
+        raise ValueError(f"config: pieces must be 0 (a fixed split) or positive, got {config.pieces}")
+    if config.pieces and (config.min_chunk < config.block_n or config.min_chunk % config.block_n
+                          or config.chunk % config.min_chunk):
+        raise ValueError(f"config: min_chunk must be a positive multiple of block_n ({config.block_n}) that divides "
+                         f"chunk ({config.chunk}), got {config.min_chunk}")
 
 
 def decode_attention(
@@ -543,7 +582,7 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(group * t))
     config = config or default_config(d)
     if chunk is not None:
-        config = replace(config, chunk=chunk, block_n=min(config.block_n, chunk))
+        config = replace(config, chunk=chunk, block_n=min(config.block_n, chunk), pieces=0)
     _check_config(config)
     block_n, chunk = config.block_n, config.chunk
     has_hi = hi_k is not None
@@ -557,7 +596,7 @@ def decode_attention(
             raise Unsupported(f"the decode kernel needs the sinks ({sink}) in whole key blocks of "
                               f"{KEY_BLOCK.value} and a V store holding max_length ({max_length}) keys")
     middle = max_length - (sink if has_hi else 0)
-    n_middle = triton.cdiv(max(middle, 0), chunk)
+    n_middle = config.programs_per_sequence(max(middle, 0))
     n_chunks = n_middle + int(has_hi)
     o_part = torch.empty(b * hkv * n_chunks * block_m, d, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(b * hkv * n_chunks * block_m, device=q.device, dtype=torch.float32)
@@ -577,10 +616,10 @@ def decode_attention(
         *k_payload.stride()[:3], *ks.stride()[:3],
         *v_payload.stride()[:3], *vs.stride()[:3],
         *hk.stride()[:3],
-        sm_scale, t, group, hkv, chunk, sink, recent,
+        sm_scale, t, group, hkv, chunk, max(config.min_chunk, 1), sink, recent,
         K_FMT=CACHE_FORMAT_CODES[k_fmt], V_FMT=CACHE_FORMAT_CODES[v_fmt], V_BLOCKED=v_blocked, HAS_HI=has_hi,
         HAS_KEEP=has_keep, D=d, BLOCK_M=block_m, W=config.num_warps, BLOCK_N=block_n, STAGES=config.num_stages,
-        HW_CVT=HW_CVT,
+        PIECES=config.pieces, HW_CVT=HW_CVT,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **config.compile_options(), **LAUNCH_OPTIONS,
     )
@@ -624,11 +663,12 @@ def compile_decode(k_fmt: str, v_fmt: str, *, head_dim: int = 128, group: int = 
         "Q": q, "KP": kp, "KS": ks, "VP": vp, "VS": vs, "HK": hi, "HV": hi,
         "LENGTHS": torch.empty(b, dtype=torch.int32), "KEEP": torch.empty(b, capacity, dtype=torch.uint8), "skeep": capacity, "O_PART": part, "LSE_PART": part,
         **dict(zip(names, strides)),
-        "sm_scale": 0.1, "T": query_len, "G": group, "HKV": hkv, "CHUNK": config.chunk, "SINK": 32, "RECENT": 32,
+        "sm_scale": 0.1, "T": query_len, "G": group, "HKV": hkv, "CHUNK": config.chunk,
+        "MIN_CHUNK": max(config.min_chunk, 1), "SINK": 32, "RECENT": 32,
         "K_FMT": CACHE_FORMAT_CODES[k_fmt], "V_FMT": CACHE_FORMAT_CODES[v_fmt], "V_BLOCKED": vp.dim() == 5,
         "HAS_HI": True, "HAS_KEEP": False,
         "D": head_dim, "BLOCK_M": block_m, "W": config.num_warps, "BLOCK_N": config.block_n,
-        "STAGES": config.num_stages, "HW_CVT": True,
+        "STAGES": config.num_stages, "PIECES": config.pieces, "HW_CVT": True,
     }
     return compile_for_target(_decode_split_kernel, args, capability, config.num_warps, config.num_stages,
                               config.compile_options())
