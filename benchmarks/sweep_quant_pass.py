@@ -55,7 +55,7 @@ def statistics_rows(k: torch.Tensor, v: torch.Tensor, steps: list[int], programs
     expected = kv_statistics(k, v, True, True)
     rows = []
     for config in tqdm(grid, desc="statistics configs"):
-        step, progs, w = config or (2048, 1024, 4)
+        step, progs, w = config or ("default", "default", 4)
         chunking = None if config is None else dict(step_elements=step, programs=progs)
 
         def run(chunking=chunking, w=w):

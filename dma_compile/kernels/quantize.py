@@ -643,15 +643,15 @@ class KVStatistics:
 
 
 def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool,
-                    step_elements: int = 2048, programs: int = 1024) -> tuple[int, int, int]:
+                    step_elements: int = 2048, programs: int = 512) -> tuple[int, int, int]:
     """(keys per loop step, keys per chunk, chunks per head) of the statistics pass.
 
-    2048 elements of each tensor per step (16 per thread of 4 warps) and
-    about 1024 programs, with V as with K alone (measured on an H200 for K
-    alone). With V the step used to be 64 keys, which at head_dim 128 took
-    every register and spilled, and made the statistics launch the slowest
-    part of the pass (BENCHMARKS.md, 2026-12-06 late). At most 256 chunks per
-    head for the finalize kernel.
+    2048 elements of each tensor per step (16 per thread of 4 warps; more
+    at head_dim 128 took every register and spilled) and about 512
+    programs: with each step's loads issued a step ahead, longer chunks
+    beat more programs (BENCHMARKS.md, 2026-12-07, second session: swept
+    with 256 to 2048 programs at three shapes). At most 256 chunks per head
+    for the finalize kernel.
     """
     block_l = max(1, step_elements // max(d, dv if with_v else d))
     n_chunks = max(1, min(cdiv(length, block_l), cdiv(programs, b * h), 256))
