@@ -55,7 +55,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps per thread (0: none)")
     parser.add_argument("--pieces", type=int, nargs="+", default=[0],
                         help="programs per sequence aimed at (0: a fixed split of --chunks keys; DecodeConfig)")
-    parser.add_argument("--min-chunk", type=int, default=256, help="with --pieces: fewest keys per program")
+    parser.add_argument("--min-chunks", type=int, nargs="+", default=[256],
+                        help="with --pieces: fewest keys per program")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     b, hq, hkv, n, d = args.shape
@@ -66,20 +67,20 @@ def main() -> None:
     sdpa_us = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     bf16_bytes = 2 * k.numel() * k.element_size()
     rows = []
-    grid = list(itertools.product(CACHES, args.block_n, args.warps, args.stages, args.chunks, args.maxnreg,
-                                  args.pieces))
+    splits = [(0, 0)] * (0 in args.pieces) + [(p, m) for p in args.pieces if p for m in args.min_chunks]
+    grid = list(itertools.product(CACHES, args.block_n, args.warps, args.stages, args.chunks, args.maxnreg, splits))
     caches = {}
     for name in CACHES:
         cache = QuantizedKV(b, hkv, d, n, CACHES[name], k.dtype, k.device)
         for start in range(0, n, 8192):
             cache.append(k[:, :, start : start + 8192], v[:, :, start : start + 8192])
         caches[name] = (cache, decode_attention_math(q, *cache.values(), cache.lengths))
-    for name, bn, warps, stages, chunk, maxnreg, pieces in tqdm(grid, desc="decode configs"):
+    for name, bn, warps, stages, chunk, maxnreg, (pieces, min_chunk) in tqdm(grid, desc="decode configs"):
         cache, expected = caches[name]
         config = DecodeConfig(block_n=bn, chunk=chunk, num_warps=warps, num_stages=stages, maxnreg=maxnreg or None,
-                              pieces=pieces, min_chunk=args.min_chunk if pieces else 0)
+                              pieces=pieces, min_chunk=min_chunk)
         launch = {"cache": name, "block_n": bn, "warps": warps, "stages": stages, "chunk": chunk, "maxnreg": maxnreg,
-                  "pieces": pieces}
+                  "pieces": pieces, "min_chunk": min_chunk}
         try:
             fn = kernel_call(cache, q, config)
             err = ((fn().float() - expected).norm() / expected.norm()).item()

@@ -517,13 +517,15 @@ def _gpu_config(head_dim: int) -> DecodeConfig:
     # Up to head_dim 64, 168 registers let three programs share an SM (two at
     # the compiler's choice); at 128 a program needs 255 whatever the cap,
     # and 4096 keys per program leave fewer programs for a last, partial round.
-    # A sequence shorter than pieces * chunk keys takes smaller programs.
+    # At 128, a sequence shorter than 16 * 4096 keys takes programs of 2048
+    # keys or more, about 16 of them: a small batch then fills more SMs, at a
+    # small cost to large batches (BENCHMARKS.md, 2026-12-07, second session);
+    # smaller programs cost large batches more than they give small ones.
     if head_dim <= 64:
-        return DecodeConfig(block_n=32, chunk=2048, num_warps=4, num_stages=3, maxnreg=168, pieces=16,
-                            min_chunk=256)
+        return DecodeConfig(block_n=32, chunk=2048, num_warps=4, num_stages=3, maxnreg=168)
     if head_dim <= 128:
-        return DecodeConfig(block_n=32, chunk=4096, num_warps=4, num_stages=3, pieces=16, min_chunk=256)
-    return DecodeConfig(block_n=16, chunk=2048, num_warps=4, num_stages=2, pieces=16, min_chunk=256)
+        return DecodeConfig(block_n=32, chunk=4096, num_warps=4, num_stages=3, pieces=16, min_chunk=2048)
+    return DecodeConfig(block_n=16, chunk=2048, num_warps=4, num_stages=2)
 
 
 def _check_config(config: DecodeConfig) -> None:
