@@ -22,7 +22,8 @@ def test_sdpa_baselines_agree_across_layouts(seed):
     q = torch.randn(1, 4, 40, 64, generator=gen).bfloat16()
     k, v = (torch.randn(1, 2, 40, 64, generator=gen).bfloat16() for _ in range(2))
     methods = bench.methods_for(q, k, v, True, {"": {}}, ["hopper"])
-    assert list(methods)[:2] == ["sdpa", "sdpa_model_layout"]
+    assert list(methods)[:3] == ["sdpa", "sdpa_model_layout", "graphed_sdpa"]
+    assert methods["graphed_sdpa"] is methods["sdpa"]
     moved = bench.model_layout(q)
     assert torch.equal(moved, q) and moved.transpose(1, 2).is_contiguous()
     torch.testing.assert_close(methods["sdpa_model_layout"](), methods["sdpa"](), rtol=0, atol=1e-2)
