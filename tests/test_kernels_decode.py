@@ -342,6 +342,8 @@ def test_split_by_pieces_matches_reference(window, seed):
 def test_programs_per_sequence_bounds_every_shorter_sequence():
     """The grid (`programs_per_sequence` of the batch's longest) holds every
     shorter sequence's programs: the kernel's keys per program, in Python."""
+    from triton import cdiv
+
     from dma_compile.kernels.decode import DecodeConfig
 
     for config in (DecodeConfig(block_n=16, chunk=64, pieces=3, min_chunk=16),
@@ -350,11 +352,10 @@ def test_programs_per_sequence_bounds_every_shorter_sequence():
         for longest in (1, 15, 100, 1000, 5000, 70000):
             grid = config.programs_per_sequence(longest)
             for span in range(1, longest + 1, max(1, longest // 500)):
+                keys = config.chunk
                 if config.pieces:
-                    keys = min(-(-(-(-span // config.pieces)) // config.min_chunk) * config.min_chunk, config.chunk)
-                else:
-                    keys = config.chunk
-                assert -(-span // keys) <= grid, (config, longest, span)
+                    keys = min(cdiv(cdiv(span, config.pieces), config.min_chunk) * config.min_chunk, keys)
+                assert cdiv(span, keys) <= grid, (config, longest, span)
 
 
 @pytest.mark.parametrize(

@@ -517,10 +517,11 @@ def _gpu_config(head_dim: int) -> DecodeConfig:
     # Up to head_dim 64, 168 registers let three programs share an SM (two at
     # the compiler's choice); at 128 a program needs 255 whatever the cap,
     # and 4096 keys per program leave fewer programs for a last, partial round.
-    # At 128, a sequence shorter than 16 * 4096 keys takes programs of 2048
-    # keys or more, about 16 of them: a small batch then fills more SMs, at a
-    # small cost to large batches (BENCHMARKS.md, 2026-12-07, second session);
-    # smaller programs cost large batches more than they give small ones.
+    # At 128, a sequence of up to 16 * 2048 quantized keys takes 2048-key
+    # programs (up to 16) instead of 4096-key ones: a small batch then fills
+    # more SMs, at a small cost to large batches (BENCHMARKS.md, 2026-12-07,
+    # second session); smaller programs cost large batches more than they
+    # give small ones.
     if head_dim <= 64:
         return DecodeConfig(block_n=32, chunk=2048, num_warps=4, num_stages=3, maxnreg=168)
     if head_dim <= 128:

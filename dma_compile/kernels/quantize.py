@@ -646,9 +646,9 @@ def _stats_chunking(b: int, h: int, length: int, d: int, dv: int, with_v: bool,
                     step_elements: int = 2048, programs: int = 512) -> tuple[int, int, int]:
     """(keys per loop step, keys per chunk, chunks per head) of the statistics pass.
 
-    2048 elements of each tensor per step (16 per thread of 4 warps; more
-    at head_dim 128 took every register and spilled) and about 512
-    programs: with each step's loads issued a step ahead, longer chunks
+    2048 elements of each tensor per step (16 per thread of 4 warps; 8192
+    at head_dim 128 took every register and spilled, 1024 and 4096 were
+    slower) and about 512 programs: with each step's loads issued a step ahead, longer chunks
     beat more programs (BENCHMARKS.md, 2026-12-07, second session: swept
     with 256 to 2048 programs at three shapes). At most 256 chunks per head
     for the finalize kernel.
