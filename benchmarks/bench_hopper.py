@@ -178,9 +178,8 @@ def methods_for(q, k, v, causal, variants, names, baseline=None, layouts=("rule"
         for layout in layouts:
             if layout != "rule":
                 found[f"quant_pass_{name}_{layout}_launches"] = in_layout(found[f"quant_pass_{name}"], layout)
-                found[f"gluon_{name}_{layout}_launches"] = in_layout(
-                    lambda p=policy, var=next(iter(variants.values())): attention_sm90_gluon(
-                        q, k, v, None, causal, None, p, **var), layout)
+                found[f"gluon_{name}_{layout}_launches"] = in_layout(found[f"gluon_{name}{next(iter(variants))}"],
+                                                                     layout)
         if baseline is not None:
             # The baseline's own pass output (its V^T key order may differ from this version's).
             qi_base = baseline.quantize_inputs(q, k, v, policy, **baseline_pass_options(baseline))

@@ -53,6 +53,7 @@ def statistics_rows(k: torch.Tensor, v: torch.Tensor, steps: list[int], programs
     """One row per statistics launch configuration (None: the default)."""
     grid = [None, *itertools.product(steps, programs, warps)]
     expected = kv_statistics(k, v, True, True)
+    total = k.numel() * k.element_size() + v.numel() * v.element_size()
     rows = []
     for config in tqdm(grid, desc="statistics configs"):
         step, progs, w = config or ("default", "default", 4)
@@ -66,7 +67,6 @@ def statistics_rows(k: torch.Tensor, v: torch.Tensor, steps: list[int], programs
             if not torch.equal(getattr(stats, name), getattr(expected, name)):
                 raise SystemExit(f"statistics {config}: {name} differ from the default launch's")
         us = bench(run)
-        total = k.numel() * k.element_size() + v.numel() * v.element_size()
         rows.append(dict(default=config is None, step_elements=step, programs=progs, warps=w, us=us, gb_s=total / us / 1e3))
     return rows
 

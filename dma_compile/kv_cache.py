@@ -191,19 +191,20 @@ class QuantizedKV:
             front = left_aligned(skip.to(dev, torch.long), t)
             k, v = tokens_at(k, front), tokens_at(v, front)
         base = start - (zeros if offsets is None else offsets.to(dev, torch.long))
-        p = base[:, None] + torch.arange(t, device=dev)[None, :]
-        bi = torch.arange(self.batch, device=dev)[:, None].expand(self.batch, t)
+        rows = torch.arange(self.batch, device=dev)[:, None]
+        # Every written token's position and row, flattened in (row, token) order.
+        p = (base[:, None] + torch.arange(t, device=dev)[None, :]).reshape(-1)
+        bi = rows.expand(self.batch, t).reshape(-1)
         for x, fmt, payload, scales in (
             (k, self.policy.cache_k, self.k_payload, self.k_scales),
             (v, self.policy.cache_v, self.v_payload, self.v_scales),
         ):
             enc, sc = encode_cache_tokens(x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]), fmt,
                                           self.policy.scale_rule, impl)
-            cache_formats.write_tokens(payload, enc, p.reshape(-1), bi.reshape(-1))
+            cache_formats.write_tokens(payload, enc, p, bi)
             if sc is not None:
-                scales[bi.reshape(-1), :, p.reshape(-1)] = sc
+                scales[bi, :, p] = sc
         if self.hi_k is not None:
-            rows = torch.arange(self.batch, device=dev)[:, None]
             for x, hi in ((k, self.hi_k), (v, self.hi_v)):
                 if t > self.recent and self.sink:
                     # Sink slot s of row r takes the row's kept token s - base[r], if
