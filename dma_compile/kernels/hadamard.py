@@ -15,10 +15,10 @@ Two forms of the stages, the same additions in the same order:
   conversion through shared memory;
 - blocks in registers (`IN_THREAD`, for x of shape (T, D / 32, 32), the
   token pass with 64 tokens per program): stage s views x with the pair as
-  an axis of size 2 and takes a + b and a - b as sums over it, of x and of
-  x times (1, -1). A sum over registers is one addition, one over lanes a
-  shuffle and an addition, and the result keeps x's layout: no conversion,
-  no shared memory. How many stages cross lanes is Triton's layout choice:
+  an axis of size 2; each element takes its partner along it (`tl.flip`:
+  free over registers, one shuffle over lanes) and adds itself times +1 or
+  -1. The result keeps x's layout: no conversion, no shared memory. How
+  many stages cross lanes is Triton's layout choice:
   Triton 3.6 gives each thread half of every block of one token (one
   stage crosses lanes), Triton 3.9 half of one block of four tokens (three
   stages do, about three times the shuffles; offline SASS, sm_90a, D 128).
@@ -49,14 +49,16 @@ def _butterfly(x, D: tl.constexpr):
 
 @triton.jit
 def _pair_sums(p, AXIS: tl.constexpr):
-    """(a + b, a - b) in place of each pair (a, b) along axis AXIS (2 or 3, size 2) of p (5-D)."""
+    """(a + b, a - b) in place of each pair (a, b) along axis AXIS (2 or 3, size 2) of p (5-D).
+
+    Each element takes its partner (`tl.flip`: over lanes one shuffle, over
+    registers none) and adds itself times +1 (a) or -1 (b): b + a and
+    a + (-b), each one correctly rounded addition, as rotation.rotate's."""
     if AXIS == 2:
         i = tl.arange(0, 2)[None, None, :, None, None]
     else:
         i = tl.arange(0, 2)[None, None, None, :, None]
-    total = tl.expand_dims(tl.sum(p, axis=AXIS), AXIS)
-    difference = tl.expand_dims(tl.sum(p * (1 - 2 * i).to(tl.float32), axis=AXIS), AXIS)
-    return tl.where(i == 0, total, difference)
+    return tl.flip(p, AXIS) + p * (1 - 2 * i).to(tl.float32)
 
 
 @triton.jit
