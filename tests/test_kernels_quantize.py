@@ -126,6 +126,40 @@ def test_values_fp8(device, dtype, seed):
     assert same(vt[..., : shape[2]].transpose(-1, -2), expected), f"seed {seed}"
 
 
+def element_grid(fmt):
+    """Every finite value of an MX element format, both signs."""
+    if fmt == "mxfp4_e2m1":
+        magnitudes = torch.tensor(formats.E2M1_VALUES)
+        return torch.cat([magnitudes, -magnitudes])
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn if fmt == "mxfp8_e4m3" else torch.float8_e5m2).float()
+    return values[torch.isfinite(values)]
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_folded_rerounding_in_float16_is_exact(fmt):
+    """The identity `quantize.folded_mx` relies on on a GPU, where it
+    re-rounds each element to its token's exponent in float16: for every
+    element value and every shift a token can give it, e4m3(elem * 2^shift)
+    computed from float16 (e5m2 elements scaled by 2^-8 first, float16's
+    powers of two zero below 2^-24) equals the float32 computation, sign of
+    zero included. Without the e5m2 pre-scale it does not."""
+    elements = element_grid(fmt)[:, None]
+    emax = formats.ELEMENT[fmt].emax
+    shift = torch.arange(-300, emax - 8 + 1)[None, :]
+    want = formats.round_to_element(torch.ldexp(elements, shift.float()), formats.E4M3)
+
+    def from_float16(pre):
+        power = torch.where(shift + pre >= -24, torch.exp2((shift + pre).float()), 0.0).half()
+        return formats.round_to_element(((elements * 2.0**-pre).half() * power).float(), formats.E4M3)
+
+    pre = 8 if fmt == "mxfp8_e5m2" else 0
+    got = from_float16(pre)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    if fmt == "mxfp8_e5m2":
+        assert not torch.equal(from_float16(0), want)
+
+
 def test_wgmma_key_order_is_a_permutation_within_each_32_keys():
     order = _q().wgmma_key_order(96)
     assert sorted(order.tolist()) == list(range(96))

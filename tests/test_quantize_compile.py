@@ -25,8 +25,9 @@ TOKEN_CONFIGS = [
 STATISTICS_CONFIGS = [(f"statistics_kv_d{d}", d, True, True) for d in (64, 128, 256)] + [
     ("statistics_k_d128", 128, True, False),
 ]
-# float32 to a pair of fp8: `cvt.rn.satfinite.e4m3x2.f32` (the satfinite part optional in the pattern).
-TO_FP8 = re.compile(r"cvt\.rn(\.satfinite)?(?:\.relu)?\.(e4m3|e5m2)x2\.f32")
+# float32 or a float16 pair to a pair of fp8: `cvt.rn.satfinite.e4m3x2.f32`
+# (the satfinite part optional in the pattern).
+TO_FP8 = re.compile(r"cvt\.rn(\.satfinite)?(?:\.relu)?\.(e4m3|e5m2)x2\.(f32|f16x2)")
 
 
 def compile_all() -> dict:
@@ -41,14 +42,19 @@ def compile_all() -> dict:
         casts = TO_FP8.findall(ptx)
         out["tokens"][name] = {
             "target": re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1),
-            "fp8_casts": {fmt: sum(1 for _, f in casts if f == fmt) for fmt in ("e4m3", "e5m2")},
-            "unsaturated_casts": sum(1 for sat, _ in casts if not sat),
+            "fp8_casts": {fmt: sum(1 for _, f, _ in casts if f == fmt) for fmt in ("e4m3", "e5m2")},
+            "f16_pair_casts": sum(1 for _, _, src in casts if src == "f16x2"),
+            "unsaturated_casts": sum(1 for sat, _, _ in casts if not sat),
             **resources(kernel.asm["cubin"]),
         }
     for name, d, key_mean, value_scale in STATISTICS_CONFIGS:
         kernel = compile_statistics(d, key_mean, value_scale)
         out["statistics"][name] = resources(kernel.asm["cubin"])
     return out
+
+
+def mode_of(name: str) -> str:
+    return next(mode for config, _, mode, _, _ in TOKEN_CONFIGS if config == name)
 
 
 def test_token_pass_casts_to_fp8_saturating():
@@ -58,6 +64,8 @@ def test_token_pass_casts_to_fp8_saturating():
         fmt = "e5m2" if "e5m2" in name else "e4m3"
         assert info["fp8_casts"][fmt] > 0, (name, info["fp8_casts"])
         assert info["unsaturated_casts"] == 0, (name, info)
+        # Folded MX re-rounds to the token's exponent in float16 pairs (numerics.folded_mx).
+        assert (info["f16_pair_casts"] > 0) == (mode_of(name) == "folded"), (name, info)
         if "stack" in info:
             assert info["stack"] == 0, (name, info)
 

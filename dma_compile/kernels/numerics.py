@@ -32,6 +32,14 @@ def pow2(e):
 
 
 @triton.jit
+def pow2_f16(e):
+    """2^e as float16 for int32 e <= 15: subnormal below -14, 0 below -24."""
+    normal = ((tl.maximum(e, -14) + 15) << 10).to(tl.int16).to(tl.float16, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 24, 0), 9)).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where(e >= -14, normal, tl.where(e >= -24, sub, 0.0))
+
+
+@triton.jit
 def pow2_wide(e):
     """2^e as float32 for int32 e >= -149 (subnormal below -126), 0 further down."""
     normal = ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True)
@@ -114,6 +122,19 @@ def on_element_grid(x, FMT: tl.constexpr, HW_CVT: tl.constexpr):
         r = x.to(tl.float8e5).to(tl.float32)
     else:
         r = round_element(x, FMT)
+    return r
+
+
+@triton.jit
+def on_element_grid_f16(x, FMT: tl.constexpr):
+    """on_element_grid with HW_CVT, as float16 (exact: every element of
+    e4m3, e5m2 and e2m1 is a float16); for the GPU only."""
+    if FMT == FMT_E4M3:
+        r = x.to(tl.float8e4nv).to(tl.float16)
+    elif FMT == FMT_E5M2:
+        r = x.to(tl.float8e5).to(tl.float16)
+    else:
+        r = round_element(x, FMT).to(tl.float16)
     return r
 
 
@@ -211,15 +232,21 @@ def scale_exponent(amax, FMT: tl.constexpr, RCEIL: tl.constexpr):
 
 
 @triton.jit
+def _maximum_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def block_amax(x):
     """Per block of 32 of x (tokens, D // 32, 32): the amax of |x| and whether
     the block holds NaN or Inf (it then gets a NaN scale and reads back NaN).
 
-    |x|'s float32 bits order like |x|, with Inf and NaN above every finite
-    value, so one integer max gives both. Shared by the formats of one pass.
-    A bad block's amax reads as float32's largest value: its elements, then
-    overwritten, are scaled down and cannot overflow.
+    One NaN-propagating float maximum of |x| per element (the absolute value
+    is an operand modifier on a GPU) gives both: NaN or Inf where the block
+    has one. Shared by the formats of one pass. A bad block's amax reads as
+    float32's largest value: its elements, then overwritten, are scaled down
+    and cannot overflow.
     """
-    block_max = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-    bad = block_max >= 0x7F800000
-    return tl.where(bad, 0x7F7FFFFF, block_max).to(tl.float32, bitcast=True), bad
+    block_max = tl.reduce(tl.abs(x), 2, _maximum_nan)
+    bad = ~(block_max < float("inf"))
+    return tl.where(bad, 0x7F7FFFFF, block_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True), bad

@@ -44,10 +44,9 @@ as given, so it is never copied). Element rounding is where the arithmetic
 goes, so the GPU uses the hardware conversions (`HW_CVT`):
 
 - e4m3 and e5m2 (MX elements, the folded re-rounding, V for FP8 P·V): the
-  `cvt.rn.satfinite` cast, nearest even like `formats` (it matched on every
-  bf16 value in e4m3's range and 2^20 random floats on an H200), after an
-  explicit clamp to the largest normal so saturation is `formats`' and not
-  the instruction's;
+  `cvt.rn.satfinite` cast, nearest even and saturating like `formats` (it
+  matched on every bf16 value in e4m3's range and 2^20 random floats on an
+  H200); the folded re-rounding casts float16 pairs (`folded_mx`);
 - e2m1 (Hopper has no conversion) and the bf16 outputs (exact for subnormals
   on every device) stay exact integer/float arithmetic.
 
@@ -64,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dma_compile.kernels.codes import FMT_NONE, mx_format_slots
+from dma_compile.kernels.codes import FMT_E5M2, FMT_NONE, mx_format_slots
 from dma_compile.kernels.hadamard import rotate_rows, transform_arguments
 from dma_compile.kernels.launch import cdiv, launch, zeros
 from dma_compile.kernels.numerics import (
@@ -74,7 +73,9 @@ from dma_compile.kernels.numerics import (
     log2_parts,
     mx_limits,
     on_element_grid,
+    on_element_grid_f16,
     pow2,
+    pow2_f16,
     pow2_wide,
     round_bf16_bits,
     scale_exponent,
@@ -87,15 +88,33 @@ from dma_compile.kernels.numerics import (
 def folded_mx(x, amax, bad, FMT: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr):
     """Folded MX of x (tokens, D // 32, 32) with its blocks' `block_amax`:
     the e4m3 bits (uint8) and each token's power-of-two exponent. Shared by
-    the token pass and the Gluon kernel's Q prologue, so both round alike."""
+    the token pass and the Gluon kernel's Q prologue, so both round alike.
+
+    On a GPU the re-rounding to the token's exponent runs in float16, two
+    elements per instruction: an element (4 significant bits at most) times
+    2^shift is exact there down to 2^-21, and anything smaller rounds to a
+    signed zero in e4m3 from float16 as from float32. e5m2 elements (up to
+    2^16) are first scaled by 2^-8 (exact: their smallest is 2^-16), so that
+    every shift whose product reaches e4m3's grid is a float16 power of two.
+    A NaN block (`bad`) multiplies by NaN, which the conversion encodes as
+    e4m3 NaN, instead of a select on every byte."""
     s = scale_exponent(amax, FMT, RCEIL)
-    elem = on_element_grid(x * pow2(-s)[:, :, None], FMT, HW_CVT)
     emax, _ = mx_limits(FMT)
     # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
     a = tl.max(tl.where(bad, 128, s), axis=1) + (emax - 8)
-    shift = tl.maximum(s - a[:, None], -126)
-    bits = e4m3_code(elem * pow2(shift)[:, :, None], HW_CVT)
-    return tl.where(bad[:, :, None], 0x7F, bits), a
+    shift = s - a[:, None]
+    if HW_CVT:
+        elem = on_element_grid_f16(x * pow2(-s)[:, :, None], FMT)
+        if FMT == FMT_E5M2:
+            elem = elem * 0.00390625
+            shift = shift + 8
+        factor = tl.where(bad, float("nan"), pow2_f16(shift)).to(tl.float16)
+        bits = (elem * factor[:, :, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        elem = on_element_grid(x * pow2(-s)[:, :, None], FMT, HW_CVT)
+        bits = e4m3_code(elem * pow2(tl.maximum(shift, -126))[:, :, None], HW_CVT)
+        bits = tl.where(bad[:, :, None], 0x7F, bits)
+    return bits, a
 
 
 @triton.jit
