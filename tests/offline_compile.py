@@ -51,6 +51,8 @@ def resources(cubin: bytes) -> dict:
             "loop_local_stores": sum(loop["local_stores"] for loop in loops),
             "loop_barriers": max((loop["barriers"] for loop in loops), default=0),
             "loop_index_shuffles": sum(loop["index_shuffles"] for loop in loops),
+            "loop_max_chain": max((loop["max_chain"] for loop in loops), default=0),
+            "loop_add_chain": max((loop["add_chain"] for loop in loops), default=0),
             "matmul_loops": len(loops), "counted_spills": sass_reader.counted_spills(sass),
             "shared_ops": len(re.findall(r"\b(?:LDS|STS|LDSM|STSM)\b", sass))}
 

@@ -13,7 +13,8 @@ failed. The script's table also counts the warpgroup barriers (bar.sync)
 per matmul loop: Triton puts one before each `mbarrier.arrive`
 (BENCHMARKS.md, 2026-12-05, per-thread releases). With FP8 P·V, P goes from
 QK^T's accumulator to P·V's operand within each thread: no index shuffle
-(SHFL.IDX) in any matmul loop.
+(SHFL.IDX) in any matmul loop. The softmax's row max and row sum are
+pairwise trees, not one dependent chain per row (`sass.longest_chain`).
 
 Run as a script (`python tests/test_sm90_gluon_compile.py`) it prints the
 same per configuration.
@@ -82,6 +83,9 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
             assert info["block_n"] == 128 or info["wide_spills"] > 0, name
             # FP8 P reaches P·V without crossing threads (V^T in wgmma's key order).
             assert info["loop_index_shuffles"] == 0, f"{name}: values cross threads in the matmul loops {info}"
+            # The row max and sum are pairwise trees: a thread's 32 or 64
+            # scores of a row folded into one accumulator chain 16-32 deep.
+            assert info["loop_max_chain"] <= 16 and info["loop_add_chain"] <= 16, f"{name}: {info}"
     assert kinds["hopper_input_pv_causal"] == {"bf16xbf16", "e4m3xe4m3"}
     assert kinds["hopper_fp8pv_fp16_d64"] == {"f16xf16", "e4m3xe4m3"}
     assert kinds["paper_folded_causal"] == {"e4m3xe4m3", "bf16xbf16"}
@@ -97,11 +101,12 @@ def _print_table(result: dict) -> None:
              info["mbarrier_waits"], info.get("reg", "?"), info.get("stack", "?"),
              f"{info.get('local_loads', '?')}/{info.get('local_stores', '?')}",
              f"{info.get('loop_local_loads', '?')}/{info.get('loop_local_stores', '?')}",
-             info.get("loop_barriers", "?")]
+             info.get("loop_barriers", "?"), f"{info.get('loop_max_chain', '?')}/{info.get('loop_add_chain', '?')}"]
             for name, info in result["configs"].items()]
     print(f"Triton {result['triton']}: the Gluon sm90 kernel compiled for sm_90a")
     print(tabulate(rows, headers=["configuration", "keys per block", "wgmma (A x B)", "setmaxnreg", "mbarrier waits",
-                                  "registers", "stack", "LDL/STL", "in matmul loops", "bar.sync per loop"]))
+                                  "registers", "stack", "LDL/STL", "in matmul loops", "bar.sync per loop",
+                                  "max/add chain"]))
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from dma_compile.kernels.gluon_compat import (
 )
 from dma_compile.kernels.launch import LAUNCH_OPTIONS
 from dma_compile.kernels.limits import LIMITS
-from dma_compile.kernels.numerics import TRITON_VERSION, block_amax
+from dma_compile.kernels.numerics import TRITON_VERSION, block_amax, row_reduce
 from dma_compile.kernels.quantize import folded_mx, folded_scale
 from dma_compile.kernels.output import empty_output
 from dma_compile.kernels.schedule import collapse_expanded_heads
@@ -320,13 +320,13 @@ def _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk,
         if IS_CAUSAL:
             valid = valid & (offs_n[None, :] <= rows_s[:, None])
         s = gl.where(valid, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(s, 1), row_layout))
+        m_new = gl.maximum(m_i, gl.convert_layout(row_reduce(s, False), row_layout))
         # Rows with every key so far masked keep m = -inf; subtract 0 there.
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.convert_layout(m_use - P_LOG2, gl.SliceLayout(1, s_layout))[:, None])
         alpha = gl.exp2(m_i - m_use)
     else:
-        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(s_acc, 1), row_layout) * q_scale)
+        m_new = gl.maximum(m_i, gl.convert_layout(row_reduce(s_acc, False), row_layout) * q_scale)
         p = gl.exp2(s_acc * qs[:, None] - gl.convert_layout(m_new - P_LOG2, gl.SliceLayout(1, s_layout))[:, None])
         alpha = gl.exp2(m_i - m_new)
     return p, m_new, alpha
@@ -384,7 +384,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                 s_layout, row_layout, BLOCK_N)
-        l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)
+        l_i = l_i * alpha + gl.convert_layout(row_reduce(p, True), row_layout)
         acc = acc * alpha[:, None]
         for i in range(1, n):
             start = _block_start(i, n0, r0s, r1s, BLOCK_N)
@@ -403,7 +403,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
             mbarrier.arrive(k_empty.index(s), count=1)
             p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                     s_layout, row_layout, BLOCK_N)
-            l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)
+            l_i = l_i * alpha + gl.convert_layout(row_reduce(p, True), row_layout)
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
             mbarrier.arrive(v_empty.index(vs), count=1)
             acc = acc * alpha[:, None]

@@ -250,3 +250,39 @@ def block_amax(x):
     block_max = tl.reduce(tl.abs(x), 2, _maximum_nan)
     bad = ~(block_max < float("inf"))
     return tl.where(bad, 0x7F7FFFFF, block_max.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True), bad
+
+
+@triton.jit
+def _halve_columns(x, SUM: tl.constexpr):
+    """x (R, N) with column c combined with column c + N / 2: (R, N / 2)."""
+    R: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, N // 2]), [0, 2, 1]))
+    if SUM:
+        r = a + b
+    else:
+        r = tl.maximum(a, b)
+    return r
+
+
+@triton.jit
+def row_reduce(x, SUM: tl.constexpr):
+    """The max (SUM False) or sum of each row of the scores x (R, N), as a
+    pairwise tree: the attention kernels' softmax.
+
+    A reduction over the row folds each thread's N / 4 or so values into one
+    accumulator, a chain of dependent operations on the softmax's critical
+    path (Triton 3.6). In a tensor-core accumulator layout a thread holds
+    column 8j + 2q + e of its rows for every j and e (q its lane's quarter),
+    so halving the columns down to 8 pairs values of one thread: each level
+    is independent operations. The maximum is the same either way; the sum
+    is added in another order."""
+    N: tl.constexpr = x.shape[1]
+    for level in tl.static_range(16):
+        if (8 << level) < N:
+            x = _halve_columns(x, SUM)
+    if SUM:
+        r = tl.sum(x, 1)
+    else:
+        r = tl.max(x, 1)
+    return r

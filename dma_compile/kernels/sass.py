@@ -55,7 +55,9 @@ def matmul_loops(sass: str) -> list[dict]:
     operands, QGMMA for FP8, IGMMA for integers), each as
     its address range and the matmuls, local loads (LDL), local stores
     (STL), thread-block barriers (BAR.SYNC) and index shuffles (SHFL.IDX:
-    values moving between threads, as a layout conversion does) in it.
+    values moving between threads, as a layout conversion does) in it, and
+    its longest chains of dependent float maxima and additions
+    (`longest_chain`: the softmax's row reductions).
 
     A loop is a backward branch and the code it jumps back over. Branches
     placed after the last EXIT are ptxas's out-of-line retry paths of
@@ -77,8 +79,39 @@ def matmul_loops(sass: str) -> list[dict]:
                  if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in with_mma)]
     return [{"start": lo, "end": hi, "matmuls": count(lo, hi, _WGMMA),
              "local_loads": count(lo, hi, r"\bLDL\b"), "local_stores": count(lo, hi, r"\bSTL\b"),
-             "barriers": count(lo, hi, r"\bBAR\.SYNC\b"), "index_shuffles": count(lo, hi, r"\bSHFL\.IDX\b")}
+             "barriers": count(lo, hi, r"\bBAR\.SYNC\b"), "index_shuffles": count(lo, hi, r"\bSHFL\.IDX\b"),
+             "max_chain": longest_chain([t for a, t in code if lo <= a <= hi], "FMNMX"),
+             "add_chain": longest_chain([t for a, t in code if lo <= a <= hi], "FADD")}
             for lo, hi in sorted(set(innermost))]
+
+
+_OPERANDS = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9]+)(?:\.[A-Z0-9_.]+)?\s+(.*)$")
+_REGISTER = re.compile(r"\bR(\d+)\b")
+
+
+def longest_chain(instructions: list[str], opcode: str) -> int:
+    """The most `opcode` instructions (e.g. FMNMX) in straight-line order
+    of which each reads the one before's result: how deep a reduction's
+    dependences go. A row max folded into one accumulator is a chain as long
+    as the row; a pairwise tree is log2 of it. Instructions are read in
+    address order, so both sides of a branch count as one sequence (a
+    register another instruction writes starts a new chain)."""
+    depth: dict[str, int] = {}
+    longest = 0
+    for text in instructions:
+        m = _OPERANDS.match(text.strip())
+        if not m:
+            continue
+        regs = _REGISTER.findall(m.group(2))
+        if not regs:
+            continue
+        dest, sources = regs[0], regs[1:]
+        if m.group(1) == opcode:
+            depth[dest] = 1 + max((depth.get(r, 0) for r in sources), default=0)
+            longest = max(longest, depth[dest])
+        else:
+            depth[dest] = 0
+    return longest
 
 
 def counted_spills(sass: str) -> int:
