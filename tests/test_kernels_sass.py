@@ -1,6 +1,6 @@
 """kernels/sass.py: finding the matmul loops in SASS and the spills inside them."""
 
-from dma_compile.kernels.sass import counted_spills, matmul_loops
+from dma_compile.kernels.sass import counted_spills, longest_chain, matmul_loops
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -48,3 +48,28 @@ def test_counted_spills_are_the_loops_or_all_where_no_loop_is_found():
     assert counted_spills(SASS) == 2
     no_matmul = SASS.replace("HGMMA", "HMMA")
     assert matmul_loops(no_matmul) == [] and counted_spills(no_matmul) == 4
+
+
+def _maxima(pairs: list[tuple[int, int, int]]) -> list[str]:
+    return [f"FMNMX R{d}, R{a}, R{b}, !PT ;" for d, a, b in pairs]
+
+
+def test_longest_chain_tells_a_folded_row_from_a_tree():
+    # Eight values R10..R17: folded into one accumulator (7 deep) or pairwise (3 deep).
+    folded = _maxima([(20, 10, 11)] + [(20, 20, r) for r in range(12, 18)])
+    tree = _maxima([(20, 10, 11), (21, 12, 13), (22, 14, 15), (23, 16, 17), (20, 20, 21), (22, 22, 23),
+                    (20, 20, 22)])
+    assert longest_chain(folded, "FMNMX") == 7
+    assert longest_chain(tree, "FMNMX") == 3
+    # Another instruction writing a register starts its chain again; other opcodes do not count.
+    broken = folded[:3] + ["SHFL.BFLY PT, R20, R20, 0x1, 0x1f ;"] + folded[3:]
+    assert longest_chain(broken, "FMNMX") == 4
+    assert longest_chain(["@P0 FADD R5, R5, R6 ;", "FADD R5, R5, -R7 ;", "FMUL R5, R5, R6 ;"], "FADD") == 2
+
+
+def test_matmul_loops_report_their_reduction_chains():
+    body = ["HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ ;"] + _maxima([(20, 10, 11)] + [(20, 20, r) for r in range(12, 18)])
+    body += ["FADD R30, R31, R32 ;", "@P0 BRA 0x0 ;", "EXIT ;"]
+    code = "\n".join(f"        /*{16 * i:04x}*/                   {text}" for i, text in enumerate(body))
+    (loop,) = matmul_loops(code)
+    assert (loop["max_chain"], loop["add_chain"]) == (7, 1)
