@@ -53,7 +53,6 @@ from dma_compile.kernels.masks import CELL, MaskInfo, classify_mask, counted_key
 from dma_compile.kernels.numerics import (
     HW_CVT,
     INTERPRET,
-    row_reduce,
     to_dtype,
     to_e4m3,
     to_f32,
@@ -167,16 +166,16 @@ def _attend(
                     valid = valid & (bias != float("-inf"))
                     s = s + bias * LOG2E
             s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, row_reduce(s, False))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             # Rows with every key so far masked keep m = -inf; subtract 0 there.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - (m_use - P_LOG2)[:, None])
             alpha = tl.math.exp2(m_i - m_use)
         else:
-            m_new = tl.maximum(m_i, row_reduce(qk, False) * q_scale)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * q_scale)
             p = tl.math.exp2(qk * q_scale[:, None] - (m_new - P_LOG2)[:, None])
             alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + row_reduce(p, True)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if PV_FP8:
             vt = V.load([b, hk, 0, start]).reshape(HEAD_DIM_V, BLOCK_N)

@@ -268,7 +268,9 @@ def _halve_columns(x, SUM: tl.constexpr):
 @triton.jit
 def row_reduce(x, SUM: tl.constexpr):
     """The max (SUM False) or sum of each row of the scores x (R, N), as a
-    pairwise tree: the attention kernels' softmax.
+    pairwise tree: the Gluon sm90 kernel's softmax. (The portable Triton
+    kernel keeps its plain reductions: the tree was not measured faster
+    there, BENCHMARKS.md 2026-12-07, fourth session.)
 
     A reduction over the row folds each thread's N / 4 or so values into one
     accumulator, a chain of dependent operations on the softmax's critical
