@@ -83,9 +83,10 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
             assert info["block_n"] == 128 or info["wide_spills"] > 0, name
             # FP8 P reaches P·V without crossing threads (V^T in wgmma's key order).
             assert info["loop_index_shuffles"] == 0, f"{name}: values cross threads in the matmul loops {info}"
-            # The row max and sum are pairwise trees: a thread's 32 or 64
-            # scores of a row folded into one accumulator chain 16-32 deep.
-            assert info["loop_max_chain"] <= 16 and info["loop_add_chain"] <= 16, f"{name}: {info}"
+            # The row max and sum are pairwise trees (Triton 3.6: at most 14
+            # deep); a thread's 16 or 32 scores of a row folded into one
+            # accumulator chain 17-18 deep at 64 keys per block, 33-34 at 128.
+            assert info["loop_max_chain"] < 16 and info["loop_add_chain"] < 16, f"{name}: {info}"
     assert kinds["hopper_input_pv_causal"] == {"bf16xbf16", "e4m3xe4m3"}
     assert kinds["hopper_fp8pv_fp16_d64"] == {"f16xf16", "e4m3xe4m3"}
     assert kinds["paper_folded_causal"] == {"e4m3xe4m3", "bf16xbf16"}
