@@ -15,6 +15,11 @@ error against bf16 SDPA; writes JSON.
     python benchmarks/bench_hopper.py --shapes 1,32,32,16384,128,1 --check-only
     git show main:dma_compile/kernels/attention_sm90_gluon.py > /tmp/before.py
     python benchmarks/bench_hopper.py --baseline /tmp/before.py   # a change against the kernel it replaces
+
+`--baseline` takes a version of either kernel's module: attention_sm90_gluon.py
+(rows `baseline_<policy>` and `baseline_<policy>_kernel_only`) or the portable
+kernel's attention_sm90.py (rows `baseline_triton_<policy>`, beside
+`triton_<policy>`).
 """
 
 from __future__ import annotations
@@ -123,9 +128,12 @@ def fa3():
 
 
 def load_baseline(path):
-    """Another version of the Gluon kernel's module (a file), to time a change against."""
-    spec = importlib.util.spec_from_file_location("gluon_baseline", path)
+    """Another version of the Gluon or the portable Triton kernel's module (a
+    file), to time a change against."""
+    spec = importlib.util.spec_from_file_location("kernel_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: dataclasses look their module up there.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -180,7 +188,9 @@ def methods_for(q, k, v, causal, variants, names, baseline=None, layouts=("rule"
                 found[f"quant_pass_{name}_{layout}_launches"] = in_layout(found[f"quant_pass_{name}"], layout)
                 found[f"gluon_{name}_{layout}_launches"] = in_layout(found[f"gluon_{name}{next(iter(variants))}"],
                                                                      layout)
-        if baseline is not None:
+        if baseline is not None and not hasattr(baseline, "attention_sm90_gluon"):
+            found[f"baseline_triton_{name}"] = lambda p=policy: baseline.attention_sm90(q, k, v, None, causal, None, p)
+        elif baseline is not None:
             # The baseline's own pass output (its V^T key order may differ from this version's).
             qi_base = baseline.quantize_inputs(q, k, v, policy, **baseline_pass_options(baseline))
             found[f"baseline_{name}_kernel_only"] = lambda p=policy, qi=qi_base: baseline.gluon_attention_from_quantized(
@@ -248,7 +258,8 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", help="B,Hq,Hkv,S,D,causal(0/1) each (default: the issue's table)")
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["", "_nopp"])
-    parser.add_argument("--baseline", help="another version of attention_sm90_gluon.py, timed beside this one")
+    parser.add_argument("--baseline", help="another version of attention_sm90_gluon.py or attention_sm90.py, "
+                                           "timed beside this one")
     parser.add_argument("--pass-launches", nargs="+", choices=list(PASS_LAUNCH_LAYOUTS), default=["rule"],
                         help="also time the pass and the Gluon call in these launch layouts (attention_sm90.pass_launches)")
     parser.add_argument("--check-only", action="store_true")
