@@ -189,6 +189,7 @@ def methods_for(q, k, v, causal, variants, names, baseline=None, layouts=("rule"
                 found[f"gluon_{name}_{layout}_launches"] = in_layout(found[f"gluon_{name}{next(iter(variants))}"],
                                                                      layout)
         if baseline is not None and not hasattr(baseline, "attention_sm90_gluon"):
+            # A version of the portable kernel's module: its call, beside triton_<policy>.
             found[f"baseline_triton_{name}"] = lambda p=policy: baseline.attention_sm90(q, k, v, None, causal, None, p)
         elif baseline is not None:
             # The baseline's own pass output (its V^T key order may differ from this version's).

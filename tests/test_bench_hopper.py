@@ -14,11 +14,16 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hopper.py"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (no GPU): the pass runs on CPU tensors")
-def test_sdpa_baselines_agree_across_layouts(seed):
+def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_hopper", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (no GPU): the pass runs on CPU tensors")
+def test_sdpa_baselines_agree_across_layouts(seed):
+    bench = _load_bench()
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 4, 40, 64, generator=gen).bfloat16()
     k, v = (torch.randn(1, 2, 40, 64, generator=gen).bfloat16() for _ in range(2))
@@ -32,9 +37,7 @@ def test_sdpa_baselines_agree_across_layouts(seed):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (no GPU): the kernel runs on CPU tensors")
 def test_a_portable_kernel_baseline_gets_its_own_row(seed):
-    spec = importlib.util.spec_from_file_location("bench_hopper", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench()
     from dma_compile.kernels import attention_sm90
 
     baseline = bench.load_baseline(attention_sm90.__file__)

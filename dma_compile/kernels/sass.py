@@ -71,18 +71,23 @@ def matmul_loops(sass: str) -> list[dict]:
         if m and addr <= last_exit and int(m.group(1), 16) <= addr:
             loops.append((int(m.group(1), 16), addr))
 
-    def count(lo, hi, pattern):
-        return sum(1 for addr, text in code if lo <= addr <= hi and re.search(pattern, text))
+    def body(lo, hi):
+        return [text for addr, text in code if lo <= addr <= hi]
 
-    with_mma = [(lo, hi) for lo, hi in loops if count(lo, hi, _WGMMA)]
+    def count(texts, pattern):
+        return sum(1 for text in texts if re.search(pattern, text))
+
+    with_mma = [(lo, hi) for lo, hi in loops if count(body(lo, hi), _WGMMA)]
     innermost = [(lo, hi) for lo, hi in with_mma
                  if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in with_mma)]
-    return [{"start": lo, "end": hi, "matmuls": count(lo, hi, _WGMMA),
-             "local_loads": count(lo, hi, r"\bLDL\b"), "local_stores": count(lo, hi, r"\bSTL\b"),
-             "barriers": count(lo, hi, r"\bBAR\.SYNC\b"), "index_shuffles": count(lo, hi, r"\bSHFL\.IDX\b"),
-             "max_chain": longest_chain([t for a, t in code if lo <= a <= hi], "FMNMX"),
-             "add_chain": longest_chain([t for a, t in code if lo <= a <= hi], "FADD")}
-            for lo, hi in sorted(set(innermost))]
+    found = []
+    for lo, hi in sorted(set(innermost)):
+        texts = body(lo, hi)
+        found.append({"start": lo, "end": hi, "matmuls": count(texts, _WGMMA),
+                      "local_loads": count(texts, r"\bLDL\b"), "local_stores": count(texts, r"\bSTL\b"),
+                      "barriers": count(texts, r"\bBAR\.SYNC\b"), "index_shuffles": count(texts, r"\bSHFL\.IDX\b"),
+                      "max_chain": longest_chain(texts, "FMNMX"), "add_chain": longest_chain(texts, "FADD")})
+    return found
 
 
 _OPERANDS = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9]+)(?:\.[A-Z0-9_.]+)?\s+(.*)$")
@@ -102,8 +107,10 @@ def longest_chain(instructions: list[str], opcode: str) -> int:
         m = _OPERANDS.match(text.strip())
         if not m:
             continue
-        regs = _REGISTER.findall(m.group(2))
-        if not regs:
+        operands = m.group(2)
+        regs = _REGISTER.findall(operands)
+        # A store's first operand is an address: it writes no register.
+        if not regs or operands.lstrip().startswith("["):
             continue
         dest, sources = regs[0], regs[1:]
         if m.group(1) == opcode:
