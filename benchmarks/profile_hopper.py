@@ -12,7 +12,7 @@ import torch
 
 from dma_compile import AttentionPolicy
 from dma_compile.kernels.attention_sm90 import attention_from_quantized, quantize_inputs
-from dma_compile.kernels.attention_sm90_gluon import gluon_attention_from_quantized
+from dma_compile.kernels.attention_sm90_gluon import gluon_attention_from_quantized, pass_options
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--shape", default="1,32,32,16384,128,1", help="B,Hq,Hkv,S,D,causal")
@@ -23,9 +23,11 @@ b, hq, hk, s, d, causal = (int(x) for x in args.shape.split(","))
 policy = AttentionPolicy.hopper().replace(pv="fp8" if args.policy == "hopper_fp8pv" else "input")
 q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-qi = quantize_inputs(q, k, v, policy)
+# Each kernel on the pass output it asks for (the Gluon kernel's FP8 V^T is in wgmma's key order).
+qi_gluon = quantize_inputs(q, k, v, policy, is_causal=bool(causal), **pass_options())
+qi_triton = quantize_inputs(q, k, v, policy, is_causal=bool(causal))
 shape = (b, hq, hk, s, s, d, d)
 for _ in range(2):
-    gluon_attention_from_quantized(qi, shape, bool(causal), 1 / math.sqrt(d), policy, block_n=args.block_n)
-    attention_from_quantized(qi, shape, None, bool(causal), 1 / math.sqrt(d), policy)
+    gluon_attention_from_quantized(qi_gluon, shape, bool(causal), 1 / math.sqrt(d), policy, block_n=args.block_n)
+    attention_from_quantized(qi_triton, shape, None, bool(causal), 1 / math.sqrt(d), policy)
 torch.cuda.synchronize()
