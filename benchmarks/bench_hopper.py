@@ -73,8 +73,9 @@ CHECK_CASES = [  # (name, policy, B, Hq, Hkv, Lq, Lk, D, causal, dtype)
 ]
 # Launch variants of the Gluon kernel (attention_sm90_gluon._kernel_args); _s3 with
 # block_n 128 fits shared memory at D 64 only; _pertile: one program per tile
-# instead of the persistent grid; _qprologue: Q quantized in the kernel's prologue, not by the pass.
-VARIANTS = {"": {}, "_nopp": {"pingpong": False}, "_s3": {"stages": 3}, "_bn64": {"block_n": 64},
+# instead of the persistent grid; _qprologue: Q quantized in the kernel's prologue, not by the pass;
+# _pp: the two consumer warpgroups take turns issuing their matmuls (ping-pong).
+VARIANTS = {"": {}, "_pp": {"pingpong": True}, "_s3": {"stages": 3}, "_bn64": {"block_n": 64},
             "_bn64_s3": {"block_n": 64, "stages": 3}, "_bn128": {"block_n": 128}, "_pertile": {"programs": 2**31 - 1},
             "_qprologue": {"q_prologue": True}}
 
@@ -258,7 +259,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", help="B,Hq,Hkv,S,D,causal(0/1) each (default: the issue's table)")
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["", "_nopp"])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["", "_pp"])
     parser.add_argument("--baseline", help="another version of attention_sm90_gluon.py or attention_sm90.py, "
                                            "timed beside this one")
     parser.add_argument("--pass-launches", nargs="+", choices=list(PASS_LAUNCH_LAYOUTS), default=["rule"],

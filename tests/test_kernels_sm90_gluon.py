@@ -19,8 +19,9 @@ from dma_compile.kernels import Unsupported
 from dma_compile.reference import dma_attention_reference
 from test_kernels_sm90 import CASES, HOPPER, PAPER_FOLDED, Case, assert_matches, inputs, large
 
-def check(case, seed, scale_up=1):
-    from dma_compile.kernels.attention_sm90_gluon import unsupported_reason
+def check(case, seed, scale_up=1, **variant):
+    """variant: a launch variant of the kernel (`attention_sm90_gluon`), called directly."""
+    from dma_compile.kernels.attention_sm90_gluon import attention_sm90_gluon, unsupported_reason
 
     q, k, v, mask = inputs(case, "cuda", scale_up)
     reason = unsupported_reason(q, k, v, mask, case.causal, case.policy)
@@ -28,7 +29,10 @@ def check(case, seed, scale_up=1):
         with pytest.raises(Unsupported):
             dma_attention(q, k, v, attn_mask=mask, is_causal=case.causal, policy=case.policy, impl="sm90_gluon")
         return False
-    out = dma_attention(q, k, v, attn_mask=mask, is_causal=case.causal, policy=case.policy, impl="sm90_gluon")
+    if variant:
+        out = attention_sm90_gluon(q, k, v, mask, case.causal, None, case.policy, **variant)
+    else:
+        out = dma_attention(q, k, v, attn_mask=mask, is_causal=case.causal, policy=case.policy, impl="sm90_gluon")
     cpu = [x.cpu() if x is not None else None for x in (q, k, v, mask)]
     ref = dma_attention_reference(*cpu, case.causal, None, case.policy)
     assert_matches(out.cpu(), ref, cpu[2], case, f"{case.name} seed {seed}")
@@ -74,6 +78,17 @@ def test_gluon_random_shape_sweep(chunk):
         if i % 8 == chunk:
             torch.manual_seed(i)
             assert check(case, i), f"{case}: the Gluon kernel must serve every sweep case"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", range(2))
+def test_gluon_ping_pong_variant_matches_reference(chunk):
+    """The `pingpong` schedule (consumers take turns issuing matmuls; not the
+    default) on every fourth sweep case."""
+    for i, case in sweep_cases():
+        if i % 8 == chunk:
+            torch.manual_seed(i)
+            assert check(case, i, pingpong=True), f"{case}: the Gluon kernel must serve every sweep case"
 
 
 PROLOGUE_POLICIES = [HOPPER, HOPPER.replace(pv="fp8"), PAPER_FOLDED,

@@ -9,9 +9,11 @@ state of its matmul loops in registers: no local-memory store inside them,
 and at most one reload of a loop invariant per loop (ptxas reloads a
 per-thread offset that way with Triton 3.9). Spills outside those loops (a
 scalar reloaded once per tile of the persistent grid) are reported, not
-failed. The script's table also counts the warpgroup barriers (bar.sync)
-per matmul loop: Triton puts one before each `mbarrier.arrive`
-(BENCHMARKS.md, 2026-12-05, per-thread releases). With FP8 P·V, P goes from
+failed. The consumers release stages and pass the ping-pong turn thread
+by thread (`gluon_compat.arrive_per_thread`), so each matmul loop keeps
+one warpgroup barrier (bar.sync), the one Triton puts before the first
+mbarrier wait after an arrival; `mbarrier.arrive` would add one per
+arrival (BENCHMARKS.md, 2026-12-07, fifth session). With FP8 P·V, P goes from
 QK^T's accumulator to P·V's operand within each thread: no index shuffle
 (SHFL.IDX) in any matmul loop. The softmax's row max and row sum are
 pairwise trees, not one dependent chain per row (`sass.longest_chain`).
@@ -43,6 +45,8 @@ def describe(ptx: str) -> dict:
         "mbarrier_waits": len(re.findall(r"mbarrier\.try_wait", ptx)),
         "wgmma_waits": len(re.findall(r"wgmma\.wait_group\.sync\.aligned", ptx)),
         "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "thread_arrivals": len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)),
+        "one_thread_arrivals": len(re.findall(r"\bmbarrier\.arrive\.shared", ptx)),
     }
 
 
@@ -87,6 +91,8 @@ def test_gluon_kernel_is_warp_specialized_async_and_spill_free():
             # deep); a thread's 16 or 32 scores of a row folded into one
             # accumulator chain 17-18 deep at 64 keys per block, 33-34 at 128.
             assert info["loop_max_chain"] < 16 and info["loop_add_chain"] < 16, f"{name}: {info}"
+            assert info["loop_barriers"] <= 1, f"{name}: warpgroup barriers in the matmul loops {info}"
+        assert info["thread_arrivals"] > 0 and info["one_thread_arrivals"] == 0, f"{name}: {info}"
     assert kinds["hopper_input_pv_causal"] == {"bf16xbf16", "e4m3xe4m3"}
     assert kinds["hopper_fp8pv_fp16_d64"] == {"f16xf16", "e4m3xe4m3"}
     assert kinds["paper_folded_causal"] == {"e4m3xe4m3", "bf16xbf16"}

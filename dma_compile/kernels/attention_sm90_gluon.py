@@ -9,10 +9,13 @@ rows of one (batch, head) and three roles:
   stage guarded by a ready and an empty mbarrier;
 - two **consumer** warpgroups, 64 query rows each, read the same stages.
   Each issues QK^T of block j+1 (async wgmma) before the softmax of block j,
-  so the tensor cores work while the CUDA cores run exp2. With `PINGPONG`
-  the two take turns issuing their matmuls (a pair of mbarriers stands in
-  for FA3's named barriers, which Gluon lacks), so one's softmax overlaps
-  the other's matmuls.
+  so the tensor cores work while the CUDA cores run exp2. Each consumer
+  thread releases a stage itself (`_release`), with no barrier across its
+  warpgroup. The `pingpong` variant has the two take turns issuing their
+  matmuls (a pair of mbarriers stands in for FA3's named barriers, which
+  Gluon lacks), so one's softmax overlaps the other's matmuls; it measured
+  slower than letting both issue as they go (BENCHMARKS.md, 2026-12-07,
+  fifth session), so it is not the default.
 
 The math is `attention_sm90`'s (docs/semantics.md): the same quantization
 pass output (`attention_sm90.quantize_inputs`), the same precision bands per
@@ -45,6 +48,7 @@ from dma_compile.kernels.attention_sm90 import (
 from dma_compile.kernels.codes import FMT_NONE, KIND_FOLDED, LOG2E, MX_FORMAT_CODES
 from dma_compile.kernels.gluon_compat import (
     TensorDescriptor,
+    arrive_per_thread,
     fence_async_shared,
     gl,
     gluon,
@@ -71,6 +75,7 @@ BLOCK_M = gl.constexpr(2 * 64)
 # program; setmaxnreg then moves them from the producer to the consumers.
 MAXNREG = 168
 CONSUMER_REGS = gl.constexpr(240)
+CONSUMER_THREADS = gl.constexpr(128)
 PRODUCER_REGS = gl.constexpr(32)
 
 
@@ -276,23 +281,32 @@ def _producer(q_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_sm
 
 
 @gluon.jit
+def _release(bar):
+    """This consumer thread's arrival on bar (each consumer barrier counts
+    CONSUMER_THREADS arrivals per consumer): `mbarrier.arrive` would have one
+    thread arrive after a barrier across the warpgroup, which costs every
+    key block a stall until the warpgroup's slowest warp catches up."""
+    arrive_per_thread(bar)
+
+
+@gluon.jit
 def _take_turn(turns, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Wait until it is this consumer's turn to issue matmuls (PINGPONG)."""
     if PINGPONG:
-        mbarrier.wait(turns.index(WG), (turn & 1) ^ (1 - WG))
+        mbarrier.wait(turns[WG].index(0), (turn & 1) ^ (1 - WG))
 
 
 @gluon.jit
 def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        mbarrier.arrive(turns.index(1 - WG), count=1)
+        _release(turns[1 - WG].index(0))
 
 
 @gluon.jit
 def _key_scales(ks_ring, s, KIND: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """Folded K's per-key powers of two for the block in stage s (ones for
-    16-bit formats). Read before the stage is released; keys past Lk read
-    zeros or the next head's scales, which the mask in `_scores` discards."""
+    16-bit formats). Keys past Lk read zeros or the next head's scales,
+    which the mask in `_scores` discards."""
     if KIND == KIND_FOLDED:
         ks = ks_ring.index(s).load(gl.SliceLayout(0, s_layout))
     else:
@@ -301,15 +315,23 @@ def _key_scales(ks_ring, s, KIND: gl.constexpr, s_layout: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk,
-            KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LOG2: gl.constexpr,
-            s_layout: gl.constexpr, row_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One block's online-softmax step: P (fp32, scaled by 2^P_LOG2), the new
-    row max and the factor that rescales what came before."""
-    offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    qs = gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout))
+def _key_scaled(s_acc, ks, KIND: gl.constexpr):
+    """S with folded K's per-key scales applied: done before the stage is
+    released, so the scales' shared-memory loads have returned by then."""
     if KIND == KIND_FOLDED:
         s_acc = s_acc * ks[None, :]
+    return s_acc
+
+
+@gluon.jit
+def _scores(s_acc, q_scale, m_i, start, rows, row0, Lk,
+            KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LOG2: gl.constexpr,
+            s_layout: gl.constexpr, row_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One block's online-softmax step on S with its key scales applied
+    (`_key_scaled`): P (fp32, scaled by 2^P_LOG2), the new row max and the
+    factor that rescales what came before."""
+    offs_n = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    qs = gl.convert_layout(q_scale, gl.SliceLayout(1, s_layout))
     needs_mask = start + BLOCK_N > Lk
     if IS_CAUSAL:
         needs_mask = needs_mask | (start + BLOCK_N - 1 > row0)
@@ -380,9 +402,9 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
         s_tok = warpgroup_mma(q_smem, k_ring.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
         _pass_turn(turns, WG, PINGPONG)
-        s_acc = warpgroup_mma_wait(0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(s), count=1)
-        p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
+        s_acc = _key_scaled(warpgroup_mma_wait(0, deps=(s_tok,)), ks, KIND)
+        _release(k_empty.index(s))
+        p, m_i, alpha = _scores(s_acc, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                 s_layout, row_layout, BLOCK_N)
         l_i = l_i * alpha + gl.convert_layout(row_reduce(p, True), row_layout)
         acc = acc * alpha[:, None]
@@ -399,13 +421,13 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
             o_tok = warpgroup_mma(_pv_operand(p, v_ring.dtype, PV_FP8, o_layout),
                                   _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
             _pass_turn(turns, WG, PINGPONG)
-            s_acc = warpgroup_mma_wait(1, deps=(s_tok,))
-            mbarrier.arrive(k_empty.index(s), count=1)
-            p, m_i, alpha = _scores(s_acc, ks, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
+            s_acc = _key_scaled(warpgroup_mma_wait(1, deps=(s_tok,)), ks, KIND)
+            _release(k_empty.index(s))
+            p, m_i, alpha = _scores(s_acc, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                     s_layout, row_layout, BLOCK_N)
             l_i = l_i * alpha + gl.convert_layout(row_reduce(p, True), row_layout)
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
-            mbarrier.arrive(v_empty.index(vs), count=1)
+            _release(v_empty.index(vs))
             acc = acc * alpha[:, None]
         vs = (v0 + n - 1) % STAGES
         mbarrier.wait(v_ready.index(vs), ((v0 + n - 1) // STAGES) & 1)
@@ -414,7 +436,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
                               _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
         _pass_turn(turns, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        mbarrier.arrive(v_empty.index(vs), count=1)
+        _release(v_empty.index(vs))
         turn += n + 1
     return acc, m_i, l_i, n, turn
 
@@ -537,7 +559,7 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
             s_hi_layout, o_layout)
         k_hi_count += n_hi
     # Every matmul reading this tile's Q has retired: the producer may load the next one.
-    mbarrier.arrive(q_empty.index(WG), count=1)
+    _release(q_empty.index(WG))
 
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     if PV_FP8:
@@ -616,20 +638,24 @@ def _dma_attention_gluon_kernel(
     k_hi_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # The ping-pong's two barriers apart: a consumer waits on one and arrives
+    # on the other, and Triton puts a warpgroup barrier between a wait and an
+    # arrive it cannot tell apart.
+    turns = (gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()),
+             gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()))
     for i in gl.static_range(STAGES):
         mbarrier.init(k_lo_ready.index(i), count=1)
         mbarrier.init(k_hi_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        # Both consumers release every stage.
-        mbarrier.init(k_lo_empty.index(i), count=2)
-        mbarrier.init(k_hi_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        # Both consumers release every stage, each of their threads (`_release`).
+        mbarrier.init(k_lo_empty.index(i), count=2 * CONSUMER_THREADS)
+        mbarrier.init(k_hi_empty.index(i), count=2 * CONSUMER_THREADS)
+        mbarrier.init(v_empty.index(i), count=2 * CONSUMER_THREADS)
     for i in gl.static_range(2):
         # One Q tile per consumer.
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
-        mbarrier.init(turns.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMER_THREADS)
+        mbarrier.init(turns[i].index(0), count=CONSUMER_THREADS)
 
     barriers = (q_ready, q_empty, k_lo_ready, k_lo_empty, k_hi_ready, k_hi_empty, v_ready, v_empty, turns)
     ptrs = (QS_LO, QS_HI, VSCALE, O, (so_b, so_h, so_l))
@@ -671,7 +697,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
-                 block_n: int = 128, stages: int = 2, pingpong: bool = True) -> dict:
+                 block_n: int = 128, stages: int = 2, pingpong: bool = False) -> dict:
     """The kernel's arguments by name. shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
     b, hq, hk, lq, lk, d, dv = shape
     pv_fp8 = policy.pv == "fp8"
