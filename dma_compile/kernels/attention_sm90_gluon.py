@@ -316,8 +316,11 @@ def _key_scales(ks_ring, s, KIND: gl.constexpr, s_layout: gl.constexpr, BLOCK_N:
 
 @gluon.jit
 def _key_scaled(s_acc, ks, KIND: gl.constexpr):
-    """S with folded K's per-key scales applied: done before the stage is
-    released, so the scales' shared-memory loads have returned by then."""
+    """S with folded K's per-key scales applied, beside the stage's release.
+    The scales' shared-memory loads were issued before QK^T's wait, hundreds
+    of cycles before the producer can see the release and reload the stage;
+    ptxas interleaves these multiplies with the arrival, so that distance,
+    not an ordering, is what keeps the loads ahead of the next TMA write."""
     if KIND == KIND_FOLDED:
         s_acc = s_acc * ks[None, :]
     return s_acc
