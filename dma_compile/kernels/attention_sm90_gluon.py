@@ -10,12 +10,14 @@ rows of one (batch, head) and three roles:
 - two **consumer** warpgroups, 64 query rows each, read the same stages.
   Each issues QK^T of block j+1 (async wgmma) before the softmax of block j,
   so the tensor cores work while the CUDA cores run exp2. Each consumer
-  thread releases a stage itself (`_release`), with no barrier across its
-  warpgroup. The `pingpong` variant has the two take turns issuing their
-  matmuls (a pair of mbarriers stands in for FA3's named barriers, which
-  Gluon lacks), so one's softmax overlaps the other's matmuls; it measured
-  slower than letting both issue as they go (BENCHMARKS.md, 2026-12-07,
-  fifth session), so it is not the default.
+  thread releases a stage itself (`arrive_per_thread`), with no barrier
+  across its warpgroup: `mbarrier.arrive` has one thread arrive after such
+  a barrier, a stall every key block until the slowest warp catches up.
+  The `pingpong` variant has the two take turns issuing their matmuls (a
+  pair of mbarriers stands in for FA3's named barriers, which Gluon lacks),
+  so one's softmax overlaps the other's matmuls; it measured slower than
+  letting both issue as they go (BENCHMARKS.md, 2026-12-07, fifth
+  session), so it is not the default.
 
 The math is `attention_sm90`'s (docs/semantics.md): the same quantization
 pass output (`attention_sm90.quantize_inputs`), the same precision bands per
@@ -281,15 +283,6 @@ def _producer(q_desc, k_lo_desc, k_hi_desc, ks_lo_desc, ks_hi_desc, v_desc, q_sm
 
 
 @gluon.jit
-def _release(bar):
-    """This consumer thread's arrival on bar (each consumer barrier counts
-    CONSUMER_THREADS arrivals per consumer): `mbarrier.arrive` would have one
-    thread arrive after a barrier across the warpgroup, which costs every
-    key block a stall until the warpgroup's slowest warp catches up."""
-    arrive_per_thread(bar)
-
-
-@gluon.jit
 def _take_turn(turns, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Wait until it is this consumer's turn to issue matmuls (PINGPONG)."""
     if PINGPONG:
@@ -299,7 +292,7 @@ def _take_turn(turns, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        _release(turns[1 - WG].index(0))
+        arrive_per_thread(turns[1 - WG].index(0))
 
 
 @gluon.jit
@@ -406,7 +399,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
                               use_acc=False, is_async=True)
         _pass_turn(turns, WG, PINGPONG)
         s_acc = _key_scaled(warpgroup_mma_wait(0, deps=(s_tok,)), ks, KIND)
-        _release(k_empty.index(s))
+        arrive_per_thread(k_empty.index(s))
         p, m_i, alpha = _scores(s_acc, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                 s_layout, row_layout, BLOCK_N)
         l_i = l_i * alpha + gl.convert_layout(row_reduce(p, True), row_layout)
@@ -425,12 +418,12 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
                                   _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
             _pass_turn(turns, WG, PINGPONG)
             s_acc = _key_scaled(warpgroup_mma_wait(1, deps=(s_tok,)), ks, KIND)
-            _release(k_empty.index(s))
+            arrive_per_thread(k_empty.index(s))
             p, m_i, alpha = _scores(s_acc, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
                                     s_layout, row_layout, BLOCK_N)
             l_i = l_i * alpha + gl.convert_layout(row_reduce(p, True), row_layout)
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
-            _release(v_empty.index(vs))
+            arrive_per_thread(v_empty.index(vs))
             acc = acc * alpha[:, None]
         vs = (v0 + n - 1) % STAGES
         mbarrier.wait(v_ready.index(vs), ((v0 + n - 1) // STAGES) & 1)
@@ -439,7 +432,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
                               _v_operand(v_ring, vs, PV_FP8, BLOCK_N, HEAD_DIM), acc, is_async=True)
         _pass_turn(turns, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(o_tok,))
-        _release(v_empty.index(vs))
+        arrive_per_thread(v_empty.index(vs))
         turn += n + 1
     return acc, m_i, l_i, n, turn
 
@@ -562,7 +555,7 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
             s_hi_layout, o_layout)
         k_hi_count += n_hi
     # Every matmul reading this tile's Q has retired: the producer may load the next one.
-    _release(q_empty.index(WG))
+    arrive_per_thread(q_empty.index(WG))
 
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     if PV_FP8:
@@ -650,7 +643,7 @@ def _dma_attention_gluon_kernel(
         mbarrier.init(k_lo_ready.index(i), count=1)
         mbarrier.init(k_hi_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        # Both consumers release every stage, each of their threads (`_release`).
+        # Both consumers release every stage, each of their threads (`arrive_per_thread`).
         mbarrier.init(k_lo_empty.index(i), count=2 * CONSUMER_THREADS)
         mbarrier.init(k_hi_empty.index(i), count=2 * CONSUMER_THREADS)
         mbarrier.init(v_empty.index(i), count=2 * CONSUMER_THREADS)
