@@ -91,6 +91,17 @@ def test_gluon_ping_pong_variant_matches_reference(chunk):
             assert check(case, i, pingpong=True), f"{case}: the Gluon kernel must serve every sweep case"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", range(2))
+def test_gluon_exp2_emulated_variant_matches_reference(chunk):
+    """Half the softmax's exp2 on the FMA pipe (`exp2_emulated=2`; not the
+    default) on every fourth sweep case."""
+    for i, case in sweep_cases():
+        if i % 8 == chunk + 2:
+            torch.manual_seed(i)
+            assert check(case, i, exp2_emulated=2), f"{case}: the Gluon kernel must serve every sweep case"
+
+
 PROLOGUE_POLICIES = [HOPPER, HOPPER.replace(pv="fp8"), PAPER_FOLDED,
                      AttentionPolicy.preset("all_mxfp4").replace(mx_mode="folded", pv="fp8")]
 
@@ -133,6 +144,14 @@ def test_gluon_q_prologue_only_where_the_pass_does_not_transform_q():
     q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="q_prologue: the kernel cannot quantize a rotated"):
         attention_sm90_gluon(q, q, q, None, True, None, HOPPER.replace(rotate="hadamard"), q_prologue=True)
+
+
+@pytest.mark.parametrize("count", [-1, 5])
+def test_gluon_exp2_emulated_counts_of_four(count):
+    from dma_compile.kernels.attention_sm90_gluon import compile_sm90_gluon
+
+    with pytest.raises(ValueError, match="exp2_emulated"):
+        compile_sm90_gluon(HOPPER, exp2_emulated=count)
 
 
 @pytest.mark.parametrize("what, expect", [
