@@ -17,6 +17,9 @@ arrival (BENCHMARKS.md, 2026-12-07, fifth session). With FP8 P·V, P goes from
 QK^T's accumulator to P·V's operand within each thread: no index shuffle
 (SHFL.IDX) in any matmul loop. The softmax's row max and row sum are
 pairwise trees, not one dependent chain per row (`sass.longest_chain`).
+The `exp2_emulated` variant, and only it, carries the FMA-pipe exp2
+(`attention_sm90_gluon._exp2`), so ptxas accepts its assembly on every
+Triton CI runs.
 
 Run as a script (`python tests/test_sm90_gluon_compile.py`) it prints the
 same per configuration.
