@@ -82,24 +82,17 @@ def test_gluon_random_shape_sweep(chunk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk", range(2))
-def test_gluon_ping_pong_variant_matches_reference(chunk):
-    """The `pingpong` schedule (consumers take turns issuing matmuls; not the
-    default) on every fourth sweep case."""
+@pytest.mark.parametrize("variant, first_chunk", [
+    ({"pingpong": True}, 0),  # consumers take turns issuing matmuls
+    ({"exp2_emulated": 2}, 2),  # half the softmax's exp2 on the FMA pipe
+], ids=["ping_pong", "exp2_emulated"])
+def test_gluon_launch_variant_matches_reference(variant, first_chunk, chunk):
+    """A launch variant that is not the default, on every fourth sweep case
+    (two of the sweep's chunks, a different pair per variant)."""
     for i, case in sweep_cases():
-        if i % 8 == chunk:
+        if i % 8 == first_chunk + chunk:
             torch.manual_seed(i)
-            assert check(case, i, pingpong=True), f"{case}: the Gluon kernel must serve every sweep case"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("chunk", range(2))
-def test_gluon_exp2_emulated_variant_matches_reference(chunk):
-    """Half the softmax's exp2 on the FMA pipe (`exp2_emulated=2`; not the
-    default) on every fourth sweep case."""
-    for i, case in sweep_cases():
-        if i % 8 == chunk + 2:
-            torch.manual_seed(i)
-            assert check(case, i, exp2_emulated=2), f"{case}: the Gluon kernel must serve every sweep case"
+            assert check(case, i, **variant), f"{case}: the Gluon kernel must serve every sweep case"
 
 
 PROLOGUE_POLICIES = [HOPPER, HOPPER.replace(pv="fp8"), PAPER_FOLDED,

@@ -335,14 +335,15 @@ def _exp2_asm(emulated):
     bits), times the cubic in f. x is clamped at -127 (where 2^n's bits are
     0, so -inf gives 0) by a NaN-keeping max, so NaN stays NaN."""
     c0, c1, c2, c3 = _EXP2_CUBIC
-    lines = [f"ex2.approx.ftz.f32 ${i}, ${i + 4};" for i in range(4 - int(emulated))]
-    for i in range(4 - int(emulated), 4):
+    first = 4 - int(emulated)
+    lines = [f"ex2.approx.ftz.f32 ${i}, ${i + 4};" for i in range(first)]
+    for i in range(first, 4):
         lines += [f"max.NaN.f32 x{i}, ${i + 4}, 0fC2FE0000;", f"add.rn.f32 t{i}, x{i}, 0f4B400000;",
                   f"sub.rn.f32 n{i}, t{i}, 0f4B400000;", f"sub.rn.f32 f{i}, x{i}, n{i};",
                   f"fma.rn.f32 p{i}, f{i}, {c3}, {c2};", f"fma.rn.f32 p{i}, p{i}, f{i}, {c1};",
                   f"fma.rn.f32 p{i}, p{i}, f{i}, {c0};", f"mad.lo.s32 e{i}, t{i}, 8388608, 1065353216;",
                   f"mul.rn.f32 ${i}, p{i}, e{i};"]
-    names = ", ".join(f"{v}{i}" for i in range(4 - int(emulated), 4) for v in "xtnfpe")
+    names = ", ".join(f"{v}{i}" for i in range(first, 4) for v in "xtnfpe")
     return "{ .reg .b32 " + names + "; " + " ".join(lines) + " }"
 
 
