@@ -75,10 +75,7 @@ CHECK_CASES = [  # (name, policy, B, Hq, Hkv, Lq, Lk, D, causal, dtype)
 # block_n 128 fits shared memory at D 64 only; _pertile: one program per tile
 # instead of the persistent grid; _qprologue: Q quantized in the kernel's prologue, not by the pass;
 # _pp: the two consumer warpgroups take turns issuing their matmuls (ping-pong);
-# _emuN: N of each 4 exp2 of the softmax on the FMA pipe instead of the special-function unit
-# (shortening each softmax, which ping-pong then hides behind the other consumer's matmuls).
-VARIANTS = {"": {}, "_pp": {"pingpong": True}, "_emu1": {"exp2_emulated": 1}, "_emu2": {"exp2_emulated": 2},
-            "_pp_emu1": {"pingpong": True, "exp2_emulated": 1}, "_pp_emu2": {"pingpong": True, "exp2_emulated": 2},
+VARIANTS = {"": {}, "_pp": {"pingpong": True},
             "_s3": {"stages": 3}, "_bn64": {"block_n": 64},
             "_bn64_s3": {"block_n": 64, "stages": 3}, "_bn128": {"block_n": 128}, "_pertile": {"programs": 2**31 - 1},
             "_qprologue": {"q_prologue": True}}

@@ -4,7 +4,7 @@ pass's output, for `ncu` (the first launch of each warms up):
     ncu --clock-control none -k regex:_dma_attention --launch-skip 2 --launch-count 2 \
         --section WarpStateStats --section SourceCounters python benchmarks/profile_hopper.py
 
-`--pingpong` and `--exp2-emulated N` profile those launch variants of the Gluon kernel.
+`--pingpong` profiles that launch variant of the Gluon kernel.
 """
 
 import argparse
@@ -21,7 +21,6 @@ parser.add_argument("--shape", default="1,32,32,16384,128,1", help="B,Hq,Hkv,S,D
 parser.add_argument("--policy", default="hopper", choices=["hopper", "hopper_fp8pv"])
 parser.add_argument("--block-n", type=int, default=128)
 parser.add_argument("--pingpong", action="store_true", help="the Gluon kernel's ping-pong variant")
-parser.add_argument("--exp2-emulated", type=int, default=0, help="of each 4 exp2, how many on the FMA pipe")
 args = parser.parse_args()
 b, hq, hk, s, d, causal = (int(x) for x in args.shape.split(","))
 policy = AttentionPolicy.hopper().replace(pv="fp8" if args.policy == "hopper_fp8pv" else "input")
@@ -33,6 +32,6 @@ qi_triton = quantize_inputs(q, k, v, policy, is_causal=bool(causal))
 shape = (b, hq, hk, s, s, d, d)
 for _ in range(2):
     gluon_attention_from_quantized(qi_gluon, shape, bool(causal), 1 / math.sqrt(d), policy, block_n=args.block_n,
-                                   pingpong=args.pingpong, exp2_emulated=args.exp2_emulated)
+                                   pingpong=args.pingpong)
     attention_from_quantized(qi_triton, shape, None, bool(causal), 1 / math.sqrt(d), policy)
 torch.cuda.synchronize()

@@ -17,9 +17,7 @@ rows of one (batch, head) and three roles:
   pair of mbarriers stands in for FA3's named barriers, which Gluon lacks),
   so one's softmax overlaps the other's matmuls; it measured slower than
   letting both issue as they go (BENCHMARKS.md, 2026-12-07, fifth
-  session), so it is not the default. The `exp2_emulated` variant moves
-  part of the softmax's exp2 from the special-function unit to the FMA
-  pipe (`_exp2`); not yet timed, so not the default either.
+  session), so it is not the default.
 
 The math is `attention_sm90`'s (docs/semantics.md): the same quantization
 pass output (`attention_sm90.quantize_inputs`), the same precision bands per
@@ -321,48 +319,9 @@ def _key_scaled(s_acc, ks, KIND: gl.constexpr):
     return s_acc
 
 
-# 2^f on [-1/2, 1/2] as a cubic (float32 bits of c0..c3, fitted for relative
-# error: below 8e-5, far under the bf16 or e4m3 rounding P then gets).
-_EXP2_CUBIC = ("0f3F7FFB49", "0f3F31798D", "0f3E786F0F", "0f3D61FBAC")
-
-
-@triton.constexpr_function
-def _exp2_asm(emulated):
-    """PTX for `_exp2` over four elements ($4..$7 in, $0..$3 out), emulated
-    >= 1: the first 4 - emulated on the special-function unit (ex2.approx),
-    the others on the FMA pipe. x = n + f, n rounded to nearest by adding
-    1.5 * 2^23 (t's low bits then hold n, so t * 2^23 + 127 * 2^23 is 2^n's
-    bits), times the cubic in f. x is clamped at -127 (where 2^n's bits are
-    0, so -inf gives 0) by a NaN-keeping max, so NaN stays NaN."""
-    c0, c1, c2, c3 = _EXP2_CUBIC
-    first = 4 - int(emulated)
-    lines = [f"ex2.approx.ftz.f32 ${i}, ${i + 4};" for i in range(first)]
-    for i in range(first, 4):
-        lines += [f"max.NaN.f32 x{i}, ${i + 4}, 0fC2FE0000;", f"add.rn.f32 t{i}, x{i}, 0f4B400000;",
-                  f"sub.rn.f32 n{i}, t{i}, 0f4B400000;", f"sub.rn.f32 f{i}, x{i}, n{i};",
-                  f"fma.rn.f32 p{i}, f{i}, {c3}, {c2};", f"fma.rn.f32 p{i}, p{i}, f{i}, {c1};",
-                  f"fma.rn.f32 p{i}, p{i}, f{i}, {c0};", f"mad.lo.s32 e{i}, t{i}, 8388608, 1065353216;",
-                  f"mul.rn.f32 ${i}, p{i}, e{i};"]
-    names = ", ".join(f"{v}{i}" for i in range(first, 4) for v in "xtnfpe")
-    return "{ .reg .b32 " + names + "; " + " ".join(lines) + " }"
-
-
-@gluon.jit
-def _exp2(x, EMULATED: gl.constexpr):
-    """2^x with EMULATED of each four elements computed on the FMA pipe
-    (FlashAttention-4's split): the special-function unit does 16 exp2 per
-    cycle per SM, the softmax's slowest step, while the FMA pipe idles."""
-    if EMULATED == 0:
-        r = gl.exp2(x)
-    else:
-        r = gl.inline_asm_elementwise(_exp2_asm(EMULATED), "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
-                                      is_pure=True, pack=4)
-    return r
-
-
 @gluon.jit
 def _scores(s_acc, q_scale, m_i, start, rows, row0, Lk,
-            KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LOG2: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+            KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LOG2: gl.constexpr,
             s_layout: gl.constexpr, row_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """One block's online-softmax step on S with its key scales applied
     (`_key_scaled`): P (fp32, scaled by 2^P_LOG2), the new row max and the
@@ -386,8 +345,7 @@ def _scores(s_acc, q_scale, m_i, start, rows, row0, Lk,
         alpha = gl.exp2(m_i - m_use)
     else:
         m_new = gl.maximum(m_i, gl.convert_layout(row_reduce(s_acc, False), row_layout) * q_scale)
-        p = _exp2(s_acc * qs[:, None] - gl.convert_layout(m_new - P_LOG2, gl.SliceLayout(1, s_layout))[:, None],
-                  EXP2_EMULATED)
+        p = gl.exp2(s_acc * qs[:, None] - gl.convert_layout(m_new - P_LOG2, gl.SliceLayout(1, s_layout))[:, None])
         alpha = gl.exp2(m_i - m_new)
     return p, m_new, alpha
 
@@ -420,7 +378,7 @@ def _v_operand(v_ring, vs, PV_FP8: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM
 def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring, k_ready, k_empty,
                    v_ring, v_ready, v_empty, turns, rows, row0, Lk, r0s, r0e, r1s, r1e,
                    WG: gl.constexpr, KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_FP8: gl.constexpr,
-                   PINGPONG: gl.constexpr, EXP2_EMULATED: gl.constexpr, BLOCK_N: gl.constexpr,
+                   PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Online softmax over one precision class's key blocks, software
     pipelined: S of block i is issued with P·V of block i - 1. k0, v0, turn:
@@ -443,7 +401,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
         s_acc = _key_scaled(warpgroup_mma_wait(0, deps=(s_tok,)), ks, KIND)
         arrive_per_thread(k_empty.index(s))
         p, m_i, alpha = _scores(s_acc, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
-                                EXP2_EMULATED, s_layout, row_layout, BLOCK_N)
+                                s_layout, row_layout, BLOCK_N)
         l_i = l_i * alpha + gl.convert_layout(row_reduce(p, True), row_layout)
         acc = acc * alpha[:, None]
         for i in range(1, n):
@@ -462,7 +420,7 @@ def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring
             s_acc = _key_scaled(warpgroup_mma_wait(1, deps=(s_tok,)), ks, KIND)
             arrive_per_thread(k_empty.index(s))
             p, m_i, alpha = _scores(s_acc, q_scale, m_i, start, rows, row0, Lk, KIND, IS_CAUSAL, P_LOG2,
-                                    EXP2_EMULATED, s_layout, row_layout, BLOCK_N)
+                                    s_layout, row_layout, BLOCK_N)
             l_i = l_i * alpha + gl.convert_layout(row_reduce(p, True), row_layout)
             acc = warpgroup_mma_wait(0, deps=(o_tok,))
             arrive_per_thread(v_empty.index(vs))
@@ -530,7 +488,7 @@ def _consumer(WG: gl.constexpr, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, 
               barriers, scalars, sched,
               TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
               HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, Q_IN_KERNEL: gl.constexpr, HI_FMT: gl.constexpr,
-              LO_FMT: gl.constexpr, RCEIL: gl.constexpr, PINGPONG: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+              LO_FMT: gl.constexpr, RCEIL: gl.constexpr, PINGPONG: gl.constexpr,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr):
     """Consumer WG's 64 query rows of each of the program's tiles."""
@@ -542,7 +500,7 @@ def _consumer(WG: gl.constexpr, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, 
         counts = _consume_tile(WG, m0, b, h, hk, t // gl.num_programs(0), counts, ptrs, q_smem, k_lo_ring,
                                k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, TILE, IS_CAUSAL,
                                ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, Q_IN_KERNEL, HI_FMT, LO_FMT, RCEIL,
-                               PINGPONG, EXP2_EMULATED, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)
+                               PINGPONG, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)
 
 
 @gluon.jit
@@ -550,7 +508,7 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
                   ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars,
                   TILE: gl.constexpr, IS_CAUSAL: gl.constexpr, ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr,
                   HI_KIND: gl.constexpr, LO_KIND: gl.constexpr, Q_IN_KERNEL: gl.constexpr, HI_FMT: gl.constexpr,
-                  LO_FMT: gl.constexpr, RCEIL: gl.constexpr, PINGPONG: gl.constexpr, EXP2_EMULATED: gl.constexpr,
+                  LO_FMT: gl.constexpr, RCEIL: gl.constexpr, PINGPONG: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr):
     """One tile's 64 rows: both precision classes on the Q tiles the producer
@@ -586,14 +544,14 @@ def _consume_tile(WG: gl.constexpr, m0, b, h, hk, j, counts, ptrs, q_smem, k_lo_
     acc, m_i, l_i, n, turn = _consume_class(
         acc, m_i, l_i, k_lo_count, k_lo_count + k_hi_count, turn, q_lo, qs_lo,
         k_lo_ring, ks_lo_ring, k_lo_ready, k_lo_empty, v_ring, v_ready, v_empty, turns, rows, m0 + WG * ROWS, Lk,
-        l0s, l0e, l1s, l1e, WG, LO_KIND, IS_CAUSAL, PV_FP8, PINGPONG, EXP2_EMULATED, BLOCK_N, HEAD_DIM, STAGES,
+        l0s, l0e, l1s, l1e, WG, LO_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
         s_lo_layout, o_layout)
     k_lo_count += n
     if not ONE_CLASS:
         acc, m_i, l_i, n_hi, turn = _consume_class(
             acc, m_i, l_i, k_hi_count, k_lo_count + k_hi_count, turn, q_hi, qs_hi,
             k_hi_ring, ks_hi_ring, k_hi_ready, k_hi_empty, v_ring, v_ready, v_empty, turns, rows, m0 + WG * ROWS, Lk,
-            h0s, h0e, h1s, h1e, WG, HI_KIND, IS_CAUSAL, PV_FP8, PINGPONG, EXP2_EMULATED, BLOCK_N, HEAD_DIM, STAGES,
+            h0s, h0e, h1s, h1e, WG, HI_KIND, IS_CAUSAL, PV_FP8, PINGPONG, BLOCK_N, HEAD_DIM, STAGES,
             s_hi_layout, o_layout)
         k_hi_count += n_hi
     # Every matmul reading this tile's Q has retired: the producer may load the next one.
@@ -634,7 +592,6 @@ def _dma_attention_gluon_kernel(
     sm_scale, Hq, Hk, Lq, Lk, KS_ROW, SINK_TILES, DIAG_TILES, N_TILES, N_M, HEADS, SECTION,
     HEAD_DIM: gl.constexpr, TILE: gl.constexpr, HI_KIND: gl.constexpr, LO_KIND: gl.constexpr,
     ONE_CLASS: gl.constexpr, PV_FP8: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-    EXP2_EMULATED: gl.constexpr,
     Q_IN_KERNEL: gl.constexpr, HI_FMT: gl.constexpr, LO_FMT: gl.constexpr, RCEIL: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     s_lo_layout: gl.constexpr, s_hi_layout: gl.constexpr, o_layout: gl.constexpr, q8_layout: gl.constexpr,
@@ -708,10 +665,10 @@ def _dma_attention_gluon_kernel(
     gl.warp_specialize([
         (_consumer, (0, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, sched,
                      TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, Q_IN_KERNEL, HI_FMT, LO_FMT, RCEIL,
-                     PINGPONG, EXP2_EMULATED, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)),
+                     PINGPONG, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)),
         (_consumer, (1, ptrs, q_smem, k_lo_ring, k_hi_ring, ks_lo_ring, ks_hi_ring, v_ring, barriers, scalars, sched,
                      TILE, IS_CAUSAL, ONE_CLASS, PV_FP8, HI_KIND, LO_KIND, Q_IN_KERNEL, HI_FMT, LO_FMT, RCEIL,
-                     PINGPONG, EXP2_EMULATED, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)),
+                     PINGPONG, BLOCK_N, HEAD_DIM, STAGES, s_lo_layout, s_hi_layout, o_layout)),
         (_producer, producer_args),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -736,10 +693,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: AttentionPolicy,
-                 block_n: int = 128, stages: int = 2, pingpong: bool = False, exp2_emulated: int = 0) -> dict:
+                 block_n: int = 128, stages: int = 2, pingpong: bool = False) -> dict:
     """The kernel's arguments by name. shape: (B, Hq, Hkv, Lq, Lk, D, Dv)."""
-    if exp2_emulated not in range(5):
-        raise ValueError(f"exp2_emulated: how many of each 4 exp2 to emulate, 0 to 4, got {exp2_emulated!r}")
     b, hq, hk, lq, lk, d, dv = shape
     pv_fp8 = policy.pv == "fp8"
     n_m = triton.cdiv(lq, BLOCK_M.value)
@@ -783,7 +738,7 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         N_TILES=n_m * b * hq, N_M=n_m, HEADS=b * hq, SECTION=tile_sections(hq, hk, lk, key_bytes, b * hq),
         HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,
-        PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), PINGPONG=pingpong, EXP2_EMULATED=exp2_emulated,
+        PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), PINGPONG=pingpong,
         BLOCK_N=block_n, STAGES=stages,
         Q_IN_KERNEL=not qi.q_quantized, HI_FMT=_fmt(policy.hi), LO_FMT=_fmt(policy.lo),
         RCEIL=policy.scale_rule == "rceil",
@@ -835,7 +790,7 @@ def attention_sm90_gluon(q, k, v, attn_mask, is_causal: bool, scale: float | Non
                          **variant) -> torch.Tensor:
     """DMA attention on validated SDPA-style inputs (see ops.dma_attention).
 
-    variant: block_n, stages, pingpong, exp2_emulated, programs, q_prologue (benchmarks and
+    variant: block_n, stages, pingpong, programs, q_prologue (benchmarks and
     tests); raises Unsupported for calls `unsupported_reason` names."""
     variant = dict(variant)
     q_prologue = variant.pop("q_prologue", False)
