@@ -337,17 +337,19 @@ def _assert_quantized_as_formats(got, values, fmts, mode, seed):
 @pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
 @pytest.mark.parametrize("mode", ["folded", "exact"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_rotated_tokens_match_formats(device, kind, mode, d, seed):
+@pytest.mark.parametrize("fmts", [("mxfp8_e4m3", "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp8_e5m2")], ids=["e2m1", "fp8"])
+def test_rotated_tokens_match_formats(device, kind, mode, d, fmts, seed):
     """With rotation the pass quantizes rotation.rotate of the smoothed tokens,
     bit for bit (NaN/Inf blocks make their whole token NaN, as in the
     reference); the "none" output stays smoothed and unrotated. 77 tokens:
-    a full and a partial block of the rotating pass's 64 tokens."""
+    a full and a partial block of the rotating pass's 64 tokens. The pass
+    applies the rotation's 1 / sqrt(D) with each block's power of two
+    (`quantize.folded_mx`): the same bits, huge and tiny blocks included."""
     from dma_compile.rotation import rotate
 
     shape = (2, 3, 77, d) if device == "cpu" else (2, 8, 3000, d)
     x = tailed(shape, torch.bfloat16, device)
     mean = (torch.randn(shape[0], shape[1], d) * 3).to(device)
-    fmts = ("mxfp8_e4m3", "mxfp4_e2m1")
     got = on_cpu(_q().quantize_tokens(x, fmts, mode, "rceil", mean=mean, write_none=True, pow2_scales=True,
                                       rotate=kind))
     smoothed = x.cpu().float() - mean.cpu().unsqueeze(-2)
@@ -356,6 +358,33 @@ def test_rotated_tokens_match_formats(device, kind, mode, d, seed):
     unrotated = formats.fold_mx(formats.quantize_mx(smoothed, fmts[1]))[0]
     if mode == "folded":
         assert not same(got[fmts[1]][0], unrotated)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("mode", ["folded", "exact"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_rotated_tokens_near_float32_max_match_formats(mode, d, seed):
+    """Tokens whose unnormalized butterfly comes close to float32's largest
+    value, or passes it (a NaN/Inf block), give the largest block scales:
+    there 2^-s / sqrt(D), the factor the pass applies in one multiply, must
+    still be a normal float32 for e2m1 (the tightest format), bit for bit."""
+    import math
+
+    from dma_compile.rotation import rotate, unrotate
+
+    # Rotated, a token is a spike at one channel plus the rounding of its
+    # bf16 preimage: the butterfly before normalizing reaches sqrt(D) times
+    # the spike, just below 2^128 (top) or past it (over).
+    top = 2.0 ** (128 - math.log2(d) / 2 - 0.2)
+    spikes = torch.zeros(1, 2, 70, d)
+    rows = torch.arange(70)
+    spikes[:, :, rows, rows % d] = top * torch.where(rows % 3 == 0, 2.0**0.5, 2.0 ** -(rows % 5).float())
+    x = (unrotate(spikes, "signed_hadamard") + torch.randn(1, 2, 70, d)).to(torch.bfloat16)
+    fmts = ("mxfp8_e4m3", "mxfp4_e2m1")
+    got = on_cpu(_q().quantize_tokens(x, fmts, mode, "rceil", pow2_scales=True, rotate="signed_hadamard"))
+    rotated = rotate(x.float(), "signed_hadamard")
+    assert rotated[rotated.isfinite()].abs().amax() > top / 2 and not rotated.isfinite().all()
+    _assert_quantized_as_formats(got, rotated, fmts, mode, seed)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -80,17 +80,22 @@ def _butterfly_blocks(x):
 
 
 @triton.jit
-def rotate_rows(x, signs, D: tl.constexpr, INV_SQRT_D: tl.constexpr, IN_THREAD: tl.constexpr = False):
+def rotate_rows(x, signs, D: tl.constexpr, INV_SQRT_D: tl.constexpr, IN_THREAD: tl.constexpr = False,
+                NORMALIZE: tl.constexpr = True):
     """x (T, ..., D in its trailing dims) times the rotation with sign vector
     `signs` (x's shape): signs, butterfly, normalization, as rotation.rotate.
     IN_THREAD: x is (T, D / 32, 32) with each token's blocks in one thread
-    (module docstring); the same bits, without layout conversions."""
+    (module docstring); the same bits, without layout conversions.
+    NORMALIZE False leaves out the multiply by INV_SQRT_D, for a caller that
+    folds it into a multiply of its own (`quantize.folded_mx`)."""
     shape: tl.constexpr = x.shape
     if IN_THREAD:
         y = _butterfly_blocks(x * signs)
     else:
         y = tl.reshape(_butterfly(tl.reshape(x * signs, [shape[0], D]), D), shape)
-    return y * INV_SQRT_D
+    if NORMALIZE:
+        y = y * INV_SQRT_D
+    return y
 
 
 @functools.lru_cache(maxsize=None)

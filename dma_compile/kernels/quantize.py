@@ -18,7 +18,9 @@ kernel reads, in its layout (docs/semantics.md gives the math):
 With a rotating policy (`AttentionPolicy.rotate`), Q and K are rotated along
 D (kernels/hadamard.py: a float32 butterfly in registers, bit-identical to
 `dma_compile.rotation`) after smoothing and before every MX format; the
-format-"none" output stays unrotated. A balancing policy
+format-"none" output stays unrotated; the rotation's 1 / sqrt(D) is applied
+with each MX block's power of two, the same bits for one multiply fewer.
+A balancing policy
 (`AttentionPolicy.balance_qk`) multiplies them first by a power of two per
 (batch, head) and channel, folded into the rotation's sign vector.
 
@@ -85,10 +87,14 @@ from dma_compile.kernels.numerics import (
 
 
 @triton.jit
-def folded_mx(x, amax, bad, FMT: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr):
+def folded_mx(x, amax, bad, FMT: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.constexpr, NORM: tl.constexpr = 1.0):
     """Folded MX of x (tokens, D // 32, 32) with its blocks' `block_amax`:
     the e4m3 bits (uint8) and each token's power-of-two exponent. Shared by
     the token pass and the Gluon kernel's Q prologue, so both round alike.
+    NORM (other than 1): what x is to be multiplied by first, applied with
+    each block's power of two (amax is already that of x * NORM): the same
+    bits as multiplying first, one multiply per element fewer, as long as
+    2^-s * NORM is a normal float32 (see `_quantize_token_block`).
 
     On a GPU the re-rounding to the token's exponent runs in float16, two
     elements per instruction: an element (4 significant bits at most) times
@@ -103,15 +109,18 @@ def folded_mx(x, amax, bad, FMT: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.c
     # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
     a = tl.max(tl.where(bad, 128, s), axis=1) + (emax - 8)
     shift = s - a[:, None]
+    down = pow2(-s)
+    if NORM != 1.0:
+        down = down * NORM
     if HW_CVT:
-        elem = on_element_grid_f16(x * pow2(-s)[:, :, None], FMT)
+        elem = on_element_grid_f16(x * down[:, :, None], FMT)
         if FMT == FMT_E5M2:
             elem = elem * 0.00390625
             shift = shift + 8
         factor = tl.where(bad, float("nan"), pow2_f16(shift)).to(tl.float16)
         bits = (elem * factor[:, :, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        elem = on_element_grid(x * pow2(-s)[:, :, None], FMT, HW_CVT)
+        elem = on_element_grid(x * down[:, :, None], FMT, HW_CVT)
         bits = e4m3_code(elem * pow2(tl.maximum(shift, -126))[:, :, None], HW_CVT)
         bits = tl.where(bad[:, :, None], 0x7F, bits)
     return bits, a
@@ -126,18 +135,23 @@ def folded_scale(a):
 @triton.jit
 def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, SCALES, out_offs, row_offs,
                  FMT: tl.constexpr, FOLDED: tl.constexpr, RCEIL: tl.constexpr, POW2: tl.constexpr,
-                 HW_CVT: tl.constexpr):
-    """MX-quantize x (tokens, D // 32, 32) with its blocks' `block_amax`; store
-    the exact or folded form (and, with POW2, the folded exponents' powers of two)."""
+                 HW_CVT: tl.constexpr, NORM: tl.constexpr):
+    """MX-quantize x * NORM (tokens, D // 32, 32) with the blocks' `block_amax`
+    of x * NORM; store the exact or folded form (and, with POW2, the folded
+    exponents' powers of two). NORM multiplies with each block's power of
+    two (`folded_mx`)."""
     if FOLDED:
-        bits, a = folded_mx(x, amax, bad, FMT, RCEIL, HW_CVT)
+        bits, a = folded_mx(x, amax, bad, FMT, RCEIL, HW_CVT, NORM)
         tl.store(OUT + out_offs, bits, mask=ok)
         tl.store(EXPS + row_offs, a, mask=row_ok)
         if POW2:
             tl.store(SCALES + row_offs, folded_scale(a), mask=row_ok)
     else:
         s = scale_exponent(amax, FMT, RCEIL)
-        elem = on_element_grid(x * pow2(-s)[:, :, None], FMT, HW_CVT)
+        down = pow2(-s)
+        if NORM != 1.0:
+            down = down * NORM
+        elem = on_element_grid(x * down[:, :, None], FMT, HW_CVT)
         # NaN before scaling (a bad block's elements could overflow); two
         # steps keep the power of two normal for s = -127.
         deq = (tl.where(bad[:, :, None], float("nan"), elem) * pow2(s + 1)[:, :, None]) * 0.5
@@ -176,19 +190,28 @@ def _quantize_token_block(
     row_offs = pid_bh.to(tl.int64) * L + t1
     if WRITE_NONE:
         tl.store(NONE_OUT + out_offs, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
+    # The rotation's 1 / sqrt(D) multiplies with each block's power of two
+    # 2^-s (`folded_mx`). The same bits: a block that is not NaN/Inf has a
+    # finite butterfly, so |x * NORM| < 2^128 * NORM and s <= 126 + log2(NORM)
+    # in every format (e2m1's is the tightest), where 2^-s * NORM is normal.
+    NORM: tl.constexpr = INV_SQRT_D if ROTATE else 1.0
     if ROTATE:
         # 64 tokens or more (`_token_block`) fill the 4 warps' 16 token rows
         # each, so each thread holds half of every block of its token.
-        x = rotate_rows(x, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0)), D, INV_SQRT_D, BLOCK_T >= 64)
+        x = rotate_rows(x, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0)), D, INV_SQRT_D, BLOCK_T >= 64,
+                        NORMALIZE=False)
     elif PRESCALE:
         x = x * tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0))
     if FMT1 != FMT_NONE:
         amax, bad = block_amax(x)
+        if ROTATE:
+            # Rounding is monotonic: the largest |x * NORM| is the largest |x| times NORM.
+            amax = amax * NORM
         _quantize_mx(x, amax, bad, ok, row_ok, OUT1, EXPS1, SCALES1, out_offs, row_offs,
-                     FMT1, FOLDED, RCEIL, POW2, HW_CVT)
+                     FMT1, FOLDED, RCEIL, POW2, HW_CVT, NORM)
         if FMT2 != FMT_NONE:
             _quantize_mx(x, amax, bad, ok, row_ok, OUT2, EXPS2, SCALES2, out_offs, row_offs,
-                         FMT2, FOLDED, RCEIL, POW2, HW_CVT)
+                         FMT2, FOLDED, RCEIL, POW2, HW_CVT, NORM)
 
 
 @triton.jit
