@@ -337,25 +337,30 @@ def _assert_quantized_as_formats(got, values, fmts, mode, seed):
 @pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
 @pytest.mark.parametrize("mode", ["folded", "exact"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("fmts", [("mxfp8_e4m3", "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp8_e5m2")], ids=["e2m1", "fp8"])
-def test_rotated_tokens_match_formats(device, kind, mode, d, fmts, seed):
-    """With rotation the pass quantizes rotation.rotate of the smoothed tokens,
-    bit for bit (NaN/Inf blocks make their whole token NaN, as in the
-    reference); the "none" output stays smoothed and unrotated. 77 tokens:
-    a full and a partial block of the rotating pass's 64 tokens. The pass
-    applies the rotation's 1 / sqrt(D) with each block's power of two
+@pytest.mark.parametrize("fmts, smoothed", [
+    (("mxfp8_e4m3", "mxfp4_e2m1"), True),
+    (("mxfp8_e4m3", "mxfp8_e5m2"), True),
+    (("mxfp8_e4m3", "mxfp4_e2m1"), False),  # the signs flipped as bf16 widens (`hadamard.sign_bits`)
+], ids=["e2m1", "fp8", "e2m1-unsmoothed"])
+def test_rotated_tokens_match_formats(device, kind, mode, d, fmts, smoothed, seed):
+    """With rotation the pass quantizes rotation.rotate of the (smoothed)
+    tokens, bit for bit (NaN/Inf blocks make their whole token NaN, as in
+    the reference); the "none" output stays smoothed and unrotated. 77
+    tokens: a full and a partial block of the rotating pass's 64 tokens. The
+    pass applies the rotation's 1 / sqrt(D) with each block's power of two
     (`quantize.folded_mx`): the same bits, huge and tiny blocks included."""
     from dma_compile.rotation import rotate
 
     shape = (2, 3, 77, d) if device == "cpu" else (2, 8, 3000, d)
     x = tailed(shape, torch.bfloat16, device)
-    mean = (torch.randn(shape[0], shape[1], d) * 3).to(device)
-    got = on_cpu(_q().quantize_tokens(x, fmts, mode, "rceil", mean=mean, write_none=True, pow2_scales=True,
+    mean = (torch.randn(shape[0], shape[1], d) * 3).to(device) if smoothed else None
+    got = on_cpu(_q().quantize_tokens(x, fmts, mode, "rceil", mean=mean, write_none=smoothed, pow2_scales=True,
                                       rotate=kind))
-    smoothed = x.cpu().float() - mean.cpu().unsqueeze(-2)
-    assert same(got["none"][0], smoothed.to(torch.bfloat16)), f"seed {seed}"
-    _assert_quantized_as_formats(got, rotate(smoothed, kind), fmts, mode, seed)
-    unrotated = formats.fold_mx(formats.quantize_mx(smoothed, fmts[1]))[0]
+    before = x.cpu().float() - mean.cpu().unsqueeze(-2) if smoothed else x.cpu().float()
+    if smoothed:
+        assert same(got["none"][0], before.to(torch.bfloat16)), f"seed {seed}"
+    _assert_quantized_as_formats(got, rotate(before, kind), fmts, mode, seed)
+    unrotated = formats.fold_mx(formats.quantize_mx(before, fmts[1]))[0]
     if mode == "folded":
         assert not same(got[fmts[1]][0], unrotated)
 

@@ -83,16 +83,19 @@ def _butterfly_blocks(x):
 def rotate_rows(x, signs, D: tl.constexpr, INV_SQRT_D: tl.constexpr, IN_THREAD: tl.constexpr = False,
                 NORMALIZE: tl.constexpr = True):
     """x (T, ..., D in its trailing dims) times the rotation with sign vector
-    `signs` (x's shape): signs, butterfly, normalization, as rotation.rotate.
+    `signs` (x's shape; None: x carries its signs already, `sign_bits`):
+    signs, butterfly, normalization, as rotation.rotate.
     IN_THREAD: x is (T, D / 32, 32) with each token's blocks in one thread
     (module docstring); the same bits, without layout conversions.
     NORMALIZE False leaves out the multiply by INV_SQRT_D, for a caller that
     folds it into a multiply of its own (`quantize.folded_mx`)."""
     shape: tl.constexpr = x.shape
+    if signs is not None:
+        x = x * signs
     if IN_THREAD:
-        y = _butterfly_blocks(x * signs)
+        y = _butterfly_blocks(x)
     else:
-        y = tl.reshape(_butterfly(tl.reshape(x * signs, [shape[0], D]), D), shape)
+        y = tl.reshape(_butterfly(tl.reshape(x, [shape[0], D]), D), shape)
     if NORMALIZE:
         y = y * INV_SQRT_D
     return y
@@ -122,6 +125,15 @@ def transform_arguments(x: torch.Tensor, kind: str, balance: torch.Tensor | None
     if rotating:
         vectors = vectors * signs
     return dict(SIGNS=vectors.contiguous(), SIGNS_BH=d, ROTATE=rotating, PRESCALE=not rotating, INV_SQRT_D=inv_sqrt_d)
+
+
+@functools.lru_cache(maxsize=None)
+def sign_bits(d: int, kind: str, device: torch.device) -> torch.Tensor:
+    """The sign vector of `kind` as int32 bit masks (0x80000000 where the sign
+    is -1), for a pass that flips bf16 inputs' signs as it widens them
+    (`numerics.widen_bf16_signed`)."""
+    signs = sign_vector(d, kind, device)
+    return torch.where(signs < 0, -(2**31), 0).to(torch.int32)
 
 
 def rotation_arguments(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, bool, float]:

@@ -173,6 +173,15 @@ def to_f32(x, HW_CVT: tl.constexpr):
 
 
 @triton.jit
+def widen_bf16_signed(x, sign_bits):
+    """bf16 x times +-1 as float32, exactly: x's bits shifted into a float32's
+    high half with the sign flipped where sign_bits (int32) is 0x80000000,
+    about one integer instruction per element on a GPU, against a widening
+    and a float multiply by a sign (a NaN keeps its payload)."""
+    return ((x.to(tl.int16, bitcast=True).to(tl.int32) << 16) ^ sign_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def to_dtype(x, DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
     """Cast float32 x to DTYPE with nearest-even rounding (hardware cast where there is one)."""
     if DTYPE == tl.bfloat16 and not HW_CVT:

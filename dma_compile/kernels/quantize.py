@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels.codes import FMT_E5M2, FMT_NONE, mx_format_slots
-from dma_compile.kernels.hadamard import rotate_rows, transform_arguments
+from dma_compile.kernels.hadamard import rotate_rows, sign_bits, transform_arguments
 from dma_compile.kernels.launch import cdiv, launch, zeros
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -83,6 +83,7 @@ from dma_compile.kernels.numerics import (
     scale_exponent,
     to_dtype_exact,
     to_f32,
+    widen_bf16_signed,
 )
 
 
@@ -181,7 +182,14 @@ def _quantize_token_block(
     row_ok = t1 < L
     ok = (t < L) & (d < D)
     src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-    x = to_f32(tl.load(src + t.to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
+    raw = tl.load(src + t.to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0)
+    # An int32 SIGNS holds the rotation's signs as bit masks (`plan_tokens`:
+    # bf16 tokens, nothing before the rotation), flipped in as x widens.
+    SIGN_BITS: tl.constexpr = ROTATE and SIGNS.dtype.element_ty == tl.int32
+    if SIGN_BITS:
+        x = widen_bf16_signed(raw, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0)))
+    else:
+        x = to_f32(raw, HW_CVT)
     if SMOOTH:
         # Loaded at x's full shape (L1 hits after the first token): a [1, D]
         # load would get a layout of its own that the whole pass then adopts.
@@ -198,8 +206,8 @@ def _quantize_token_block(
     if ROTATE:
         # 64 tokens or more (`_token_block`) fill the 4 warps' 16 token rows
         # each, so each thread holds half of every block of its token.
-        x = rotate_rows(x, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0)), D, INV_SQRT_D, BLOCK_T >= 64,
-                        NORMALIZE=False)
+        signs = None if SIGN_BITS else tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0))
+        x = rotate_rows(x, signs, D, INV_SQRT_D, BLOCK_T >= 64, NORMALIZE=False)
     elif PRESCALE:
         x = x * tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0))
     if FMT1 != FMT_NONE:
@@ -610,6 +618,8 @@ def plan_tokens(
     while len(outs) < 2:
         outs.append((x, x, x))
     smooth = mean is not None
+    if rotating and mx and balance is None and x.dtype == torch.bfloat16 and not smooth and not write_none:
+        transform["SIGNS"] = sign_bits(d, rotate, x.device)
     plan.args = dict(
         X=x, sx_b=x.stride(0), sx_h=x.stride(1), sx_l=x.stride(2), sx_d=x.stride(3),
         MEAN=mean.contiguous() if smooth else x, NONE_OUT=none_out if write_none else x,
