@@ -377,9 +377,9 @@ def test_rotated_tokens_near_float32_max_match_formats(mode, d, seed):
 
     from dma_compile.rotation import rotate, unrotate
 
-    # Rotated, a token is a spike at one channel plus the rounding of its
-    # bf16 preimage: the butterfly before normalizing reaches sqrt(D) times
-    # the spike, just below 2^128 (top) or past it (over).
+    # Rotated, a token is a spike at one channel plus noise: the butterfly
+    # before normalizing reaches sqrt(D) times the spike, just below 2^128
+    # for a spike of `top`, past it (Inf) in the rows with 2^0.5 * top.
     top = 2.0 ** (128 - math.log2(d) / 2 - 0.2)
     spikes = torch.zeros(1, 2, 70, d)
     rows = torch.arange(70)
