@@ -281,23 +281,29 @@ def test_payloads_are_formats_quantize_mx(seed, fmt):
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"])
 @pytest.mark.parametrize("kind", ["hadamard", "signed_hadamard"])
-def test_rotated_payloads_are_formats_quantize_mx(seed, fmt, kind):
-    """With rotation the pass quantizes rotation.rotate of the smoothed values
-    (bit for bit, NaN/Inf tokens included); "none" stays unrotated."""
+@pytest.mark.parametrize("smoothed", [True, False], ids=["smoothed", "plain"])
+def test_rotated_payloads_are_formats_quantize_mx(seed, fmt, kind, smoothed):
+    """With rotation the pass quantizes rotation.rotate of the (smoothed)
+    values (bit for bit, NaN/Inf tokens and tokens near float32's largest
+    value included); "none" stays unrotated. Plain bf16 tokens get their
+    signs as they widen (`hadamard.with_sign_bits`), and every rotated block
+    its 1 / sqrt(D) with its power of two."""
     from dma_compile.rotation import rotate
 
     x = _randn(2, 3, 37, 128, scale=4.0) * torch.exp2(torch.randint(-30, 30, (2, 3, 37, 1), device=DEVICE))
+    x[0, 1, 9] = 2.0**120 * torch.sign(_randn(128))  # block scales near float32's top
     x[0, 0, 3, 5] = float("nan")
     x[1, 2, 7, 40] = float("-inf")
     x = x.to(torch.bfloat16)
-    mean = torch.randn(2, 3, 128, device=DEVICE)
-    smoothed = x.float() - mean[:, :, None]
-    got = quantize_payloads(x, (fmt,), "rceil", mean=mean, write_none=True, rotate=kind)
-    want = quantize_mx(rotate(smoothed, kind), fmt)
+    mean = torch.randn(2, 3, 128, device=DEVICE) if smoothed else None
+    before = x.float() - mean[:, :, None] if smoothed else x.float()
+    got = quantize_payloads(x, (fmt,), "rceil", mean=mean, write_none=smoothed, rotate=kind)
+    want = quantize_mx(rotate(before, kind), fmt)
     assert torch.equal(got[fmt].scales, want.scales), f"seed {seed}"
     assert torch.equal(got[fmt].payload, want.payload.view(torch.uint8)), f"seed {seed}"
-    assert not torch.equal(want.scales, quantize_mx(smoothed, fmt).scales)
-    torch.testing.assert_close(got["none"], smoothed.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(want.scales, quantize_mx(before, fmt).scales)
+    if smoothed:
+        torch.testing.assert_close(got["none"], before.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("kind", ["none", "hadamard"])

@@ -136,6 +136,16 @@ def sign_bits(d: int, kind: str, device: torch.device) -> torch.Tensor:
     return torch.where(signs < 0, -(2**31), 0).to(torch.int32)
 
 
+def with_sign_bits(transform: dict, x: torch.Tensor, kind: str, plain: bool) -> dict:
+    """`transform_arguments`' result with SIGNS as `sign_bits` where a pass
+    can flip the signs as it widens x: a rotation of bf16 x with nothing
+    applied before it (plain: no smoothing, no unrotated copy written; no
+    balancing vectors). A pass reads an int32 SIGNS that way."""
+    if transform["ROTATE"] and plain and transform["SIGNS_BH"] == 0 and x.dtype == torch.bfloat16:
+        transform = {**transform, "SIGNS": sign_bits(x.shape[-1], kind, x.device)}
+    return transform
+
+
 def rotation_arguments(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, bool, float]:
     """(SIGNS, ROTATE, INV_SQRT_D) kernel arguments of the passes for x (..., D)."""
     d = x.shape[-1]

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels.codes import FMT_E5M2, FMT_NONE, mx_format_slots
-from dma_compile.kernels.hadamard import rotate_rows, sign_bits, transform_arguments
+from dma_compile.kernels.hadamard import rotate_rows, transform_arguments, with_sign_bits
 from dma_compile.kernels.launch import cdiv, launch, zeros
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -618,8 +618,8 @@ def plan_tokens(
     while len(outs) < 2:
         outs.append((x, x, x))
     smooth = mean is not None
-    if rotating and mx and balance is None and x.dtype == torch.bfloat16 and not smooth and not write_none:
-        transform["SIGNS"] = sign_bits(d, rotate, x.device)
+    if mx:
+        transform = with_sign_bits(transform, x, rotate, plain=not smooth and not write_none)
     plan.args = dict(
         X=x, sx_b=x.stride(0), sx_h=x.stride(1), sx_l=x.stride(2), sx_d=x.stride(3),
         MEAN=mean.contiguous() if smooth else x, NONE_OUT=none_out if write_none else x,

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dma_compile.kernels.codes import FMT_E2M1, FMT_E4M3, FMT_E5M2, FMT_NONE, MX_FORMAT_CODES, mx_format_slots
-from dma_compile.kernels.hadamard import rotate_rows, transform_arguments
+from dma_compile.kernels.hadamard import rotate_rows, transform_arguments, with_sign_bits
 from dma_compile.kernels.launch import LAUNCH_OPTIONS, cdiv
 from dma_compile.kernels.numerics import (
     HW_CVT,
@@ -39,6 +39,7 @@ from dma_compile.kernels.numerics import (
     scale_exponent,
     to_dtype_exact,
     to_f32,
+    widen_bf16_signed,
 )
 
 # Payload elements per byte for each format code (e2m1 packs two).
@@ -68,8 +69,11 @@ def _e2m1_codes(elem):
 
 
 @triton.jit
-def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.constexpr, RCEIL: tl.constexpr):
-    """MX-quantize x (tokens, D // 32, 32) float32; store payload bytes and E8M0 scales."""
+def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.constexpr, RCEIL: tl.constexpr,
+              NORM: tl.constexpr):
+    """MX-quantize x * NORM (tokens, D // 32, 32) float32; store payload bytes
+    and E8M0 scales. NORM (the rotation's 1 / sqrt(D), or 1) multiplies with
+    each block's 2^-s: the same bits as multiplying first (`quantize.folded_mx`)."""
     NB: tl.constexpr = D // 32
     BLOCK_T: tl.constexpr = x.shape[0]
     ax = tl.abs(x)
@@ -77,9 +81,15 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
     # A block holding NaN or Inf gets scale 255 (NaN) and zero elements, as formats.quantize_mx.
     bad = tl.max((~finite).to(tl.int32), axis=2) > 0
     amax = tl.max(tl.where(finite, ax, 0.0), axis=2)
+    if NORM != 1.0:
+        amax = amax * NORM
     s = scale_exponent(amax, FMT, RCEIL)
-    # A finite float32 amax is below 2^128, so s <= 126 and 2^-s is a normal float.
-    elem = round_element(tl.where(finite, x, 0.0) * pow2(-s)[:, :, None], FMT)
+    # A finite float32 amax is below 2^128 * NORM, so s <= 126 + log2(NORM)
+    # and 2^-s * NORM is a normal float.
+    down = pow2(-s)
+    if NORM != 1.0:
+        down = down * NORM
+    elem = round_element(tl.where(finite, x, 0.0) * down[:, :, None], FMT)
     elem = tl.where(bad[:, :, None], 0.0, elem)
     rows = bh.to(tl.int64) * L + t
     blocks = tl.arange(0, NB)
@@ -120,20 +130,28 @@ def _mx_payload_kernel(
     d = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     ok = t_ok[:, None, None]
     src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
-    x = to_f32(tl.load(src + t[:, None, None].to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0), HW_CVT)
+    raw = tl.load(src + t[:, None, None].to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0)
+    # An int32 SIGNS: the rotation's signs as bit masks (`hadamard.with_sign_bits`).
+    SIGN_BITS: tl.constexpr = ROTATE and SIGNS.dtype.element_ty == tl.int32
+    if SIGN_BITS:
+        x = widen_bf16_signed(raw, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0)))
+    else:
+        x = to_f32(raw, HW_CVT)
     if SMOOTH:
         x = x - tl.load(MEAN + pid_bh * D + d)
     if WRITE_NONE:
         dst = NONE_OUT + (pid_bh.to(tl.int64) * L + t[:, None, None]) * D + d
         tl.store(dst, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
+    NORM: tl.constexpr = INV_SQRT_D if ROTATE else 1.0
     if ROTATE:
-        x = rotate_rows(x, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0)), D, INV_SQRT_D)
+        signs = None if SIGN_BITS else tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0))
+        x = rotate_rows(x, signs, D, INV_SQRT_D, NORMALIZE=False)
     elif PRESCALE:
         x = x * tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0))
     if FMT1 != FMT_NONE:
-        _store_mx(x, PAYLOAD1, SCALES1, pid_bh, t, t_ok, L, D, FMT1, RCEIL)
+        _store_mx(x, PAYLOAD1, SCALES1, pid_bh, t, t_ok, L, D, FMT1, RCEIL, NORM)
     if FMT2 != FMT_NONE:
-        _store_mx(x, PAYLOAD2, SCALES2, pid_bh, t, t_ok, L, D, FMT2, RCEIL)
+        _store_mx(x, PAYLOAD2, SCALES2, pid_bh, t, t_ok, L, D, FMT2, RCEIL, NORM)
 
 
 @dataclass
@@ -173,7 +191,8 @@ def quantize_payloads(
     mx, format_codes = mx_format_slots(formats)
     if not mx and not write_none:
         return {}
-    transform = transform_arguments(x, rotate, balance)
+    transform = with_sign_bits(transform_arguments(x, rotate, balance), x, rotate,
+                               plain=mean is None and not write_none)
     result: dict[str, MXPayload | torch.Tensor] = {}
     outs = []
     for fmt in mx:
