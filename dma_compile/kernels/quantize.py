@@ -183,8 +183,8 @@ def _quantize_token_block(
     ok = (t < L) & (d < D)
     src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
     raw = tl.load(src + t.to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0)
-    # An int32 SIGNS holds the rotation's signs as bit masks (`plan_tokens`:
-    # bf16 tokens, nothing before the rotation), flipped in as x widens.
+    # An int32 SIGNS holds the rotation's signs as bit masks, flipped in as x
+    # widens (`hadamard.with_sign_bits`: bf16 tokens, nothing before the rotation).
     SIGN_BITS: tl.constexpr = ROTATE and SIGNS.dtype.element_ty == tl.int32
     if SIGN_BITS:
         x = widen_bf16_signed(raw, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0)))
