@@ -75,8 +75,7 @@ CHECK_CASES = [  # (name, policy, B, Hq, Hkv, Lq, Lk, D, causal, dtype)
 # block_n 128 fits shared memory at D 64 only; _pertile: one program per tile
 # instead of the persistent grid; _qprologue: Q quantized in the kernel's prologue, not by the pass;
 # _pp: the two consumer warpgroups take turns issuing their matmuls (ping-pong).
-VARIANTS = {"": {}, "_pp": {"pingpong": True},
-            "_s3": {"stages": 3}, "_bn64": {"block_n": 64},
+VARIANTS = {"": {}, "_pp": {"pingpong": True}, "_s3": {"stages": 3}, "_bn64": {"block_n": 64},
             "_bn64_s3": {"block_n": 64, "stages": 3}, "_bn128": {"block_n": 128}, "_pertile": {"programs": 2**31 - 1},
             "_qprologue": {"q_prologue": True}}
 

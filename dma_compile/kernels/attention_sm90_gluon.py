@@ -378,8 +378,8 @@ def _v_operand(v_ring, vs, PV_FP8: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM
 def _consume_class(acc, m_i, l_i, k0, v0, turn, q_smem, q_scale, k_ring, ks_ring, k_ready, k_empty,
                    v_ring, v_ready, v_empty, turns, rows, row0, Lk, r0s, r0e, r1s, r1e,
                    WG: gl.constexpr, KIND: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_FP8: gl.constexpr,
-                   PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                   PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Online softmax over one precision class's key blocks, software
     pipelined: S of block i is issued with P·V of block i - 1. k0, v0, turn:
     the K and V rings' positions and the ping-pong turn at its start.
@@ -738,8 +738,7 @@ def _kernel_args(qi, out, shape, is_causal: bool, scale: float, policy: Attentio
         SINK_TILES=policy.sink_tiles, DIAG_TILES=policy.diag_tiles,
         N_TILES=n_m * b * hq, N_M=n_m, HEADS=b * hq, SECTION=tile_sections(hq, hk, lk, key_bytes, b * hq),
         HEAD_DIM=d, TILE=policy.tile, HI_KIND=hi_kind, LO_KIND=lo_kind, ONE_CLASS=policy.hi == policy.lo,
-        PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), PINGPONG=pingpong,
-        BLOCK_N=block_n, STAGES=stages,
+        PV_FP8=pv_fp8, IS_CAUSAL=bool(is_causal), PINGPONG=pingpong, BLOCK_N=block_n, STAGES=stages,
         Q_IN_KERNEL=not qi.q_quantized, HI_FMT=_fmt(policy.hi), LO_FMT=_fmt(policy.lo),
         RCEIL=policy.scale_rule == "rceil",
         s_lo_layout=s_layout(lo_kind), s_hi_layout=s_layout(hi_kind),
