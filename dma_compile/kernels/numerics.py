@@ -32,6 +32,17 @@ def pow2(e):
 
 
 @triton.jit
+def scaled_pow2(e, NORM: tl.constexpr):
+    """2^e times NORM (a float32 constant; 1: 2^e itself), the factor an MX
+    pass scales a block by when NORM, the rotation's 1 / sqrt(D), rides
+    along with the block's power of two. Exact where the product is normal."""
+    r = pow2(e)
+    if NORM != 1.0:
+        r = r * NORM
+    return r
+
+
+@triton.jit
 def pow2_f16(e):
     """2^e as float16 for int32 e <= 15: subnormal below -14, 0 below -24."""
     normal = ((tl.maximum(e, -14) + 15) << 10).to(tl.int16).to(tl.float16, bitcast=True)

@@ -81,6 +81,7 @@ from dma_compile.kernels.numerics import (
     pow2_wide,
     round_bf16_bits,
     scale_exponent,
+    scaled_pow2,
     to_dtype_exact,
     to_f32,
     widen_bf16_signed,
@@ -110,9 +111,7 @@ def folded_mx(x, amax, bad, FMT: tl.constexpr, RCEIL: tl.constexpr, HW_CVT: tl.c
     # NaN scales count as exponent 128 in the token's maximum (formats.fold_mx).
     a = tl.max(tl.where(bad, 128, s), axis=1) + (emax - 8)
     shift = s - a[:, None]
-    down = pow2(-s)
-    if NORM != 1.0:
-        down = down * NORM
+    down = scaled_pow2(-s, NORM)
     if HW_CVT:
         elem = on_element_grid_f16(x * down[:, :, None], FMT)
         if FMT == FMT_E5M2:
@@ -149,10 +148,7 @@ def _quantize_mx(x, amax, bad, ok, row_ok, OUT, EXPS, SCALES, out_offs, row_offs
             tl.store(SCALES + row_offs, folded_scale(a), mask=row_ok)
     else:
         s = scale_exponent(amax, FMT, RCEIL)
-        down = pow2(-s)
-        if NORM != 1.0:
-            down = down * NORM
-        elem = on_element_grid(x * down[:, :, None], FMT, HW_CVT)
+        elem = on_element_grid(x * scaled_pow2(-s, NORM)[:, :, None], FMT, HW_CVT)
         # NaN before scaling (a bad block's elements could overflow); two
         # steps keep the power of two normal for s = -127.
         deq = (tl.where(bad[:, :, None], float("nan"), elem) * pow2(s + 1)[:, :, None]) * 0.5

@@ -34,9 +34,9 @@ from dma_compile.kernels.launch import LAUNCH_OPTIONS, cdiv
 from dma_compile.kernels.numerics import (
     HW_CVT,
     e4m3_bits,
-    pow2,
     round_element,
     scale_exponent,
+    scaled_pow2,
     to_dtype_exact,
     to_f32,
     widen_bf16_signed,
@@ -86,10 +86,7 @@ def _store_mx(x, PAYLOAD, SCALES, bh, t, t_ok, L, D: tl.constexpr, FMT: tl.const
     s = scale_exponent(amax, FMT, RCEIL)
     # A finite float32 amax is below 2^128 * NORM, so s <= 126 + log2(NORM)
     # and 2^-s * NORM is a normal float.
-    down = pow2(-s)
-    if NORM != 1.0:
-        down = down * NORM
-    elem = round_element(tl.where(finite, x, 0.0) * down[:, :, None], FMT)
+    elem = round_element(tl.where(finite, x, 0.0) * scaled_pow2(-s, NORM)[:, :, None], FMT)
     elem = tl.where(bad[:, :, None], 0.0, elem)
     rows = bh.to(tl.int64) * L + t
     blocks = tl.arange(0, NB)
