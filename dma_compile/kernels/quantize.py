@@ -179,11 +179,13 @@ def _quantize_token_block(
     ok = (t < L) & (d < D)
     src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
     raw = tl.load(src + t.to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0)
+    # The sign (or balancing) vector at x's full shape, as the mean below.
+    sign_ptrs = SIGNS + pid_bh * SIGNS_BH + (d + t * 0)
     # An int32 SIGNS holds the rotation's signs as bit masks, flipped in as x
     # widens (`hadamard.with_sign_bits`: bf16 tokens, nothing before the rotation).
     SIGN_BITS: tl.constexpr = ROTATE and SIGNS.dtype.element_ty == tl.int32
     if SIGN_BITS:
-        x = widen_bf16_signed(raw, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0)))
+        x = widen_bf16_signed(raw, tl.load(sign_ptrs))
     else:
         x = to_f32(raw, HW_CVT)
     if SMOOTH:
@@ -202,10 +204,10 @@ def _quantize_token_block(
     if ROTATE:
         # 64 tokens or more (`_token_block`) fill the 4 warps' 16 token rows
         # each, so each thread holds half of every block of its token.
-        signs = None if SIGN_BITS else tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0))
+        signs = None if SIGN_BITS else tl.load(sign_ptrs)
         x = rotate_rows(x, signs, D, INV_SQRT_D, BLOCK_T >= 64, NORMALIZE=False)
     elif PRESCALE:
-        x = x * tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t * 0))
+        x = x * tl.load(sign_ptrs)
     if FMT1 != FMT_NONE:
         amax, bad = block_amax(x)
         if ROTATE:

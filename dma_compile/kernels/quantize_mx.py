@@ -128,10 +128,11 @@ def _mx_payload_kernel(
     ok = t_ok[:, None, None]
     src = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
     raw = tl.load(src + t[:, None, None].to(tl.int64) * sx_l + d * sx_d, mask=ok, other=0.0)
+    sign_ptrs = SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0)
     # An int32 SIGNS: the rotation's signs as bit masks (`hadamard.with_sign_bits`).
     SIGN_BITS: tl.constexpr = ROTATE and SIGNS.dtype.element_ty == tl.int32
     if SIGN_BITS:
-        x = widen_bf16_signed(raw, tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0)))
+        x = widen_bf16_signed(raw, tl.load(sign_ptrs))
     else:
         x = to_f32(raw, HW_CVT)
     if SMOOTH:
@@ -141,10 +142,10 @@ def _mx_payload_kernel(
         tl.store(dst, to_dtype_exact(x, NONE_OUT.dtype.element_ty), mask=ok)
     NORM: tl.constexpr = INV_SQRT_D if ROTATE else 1.0
     if ROTATE:
-        signs = None if SIGN_BITS else tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0))
+        signs = None if SIGN_BITS else tl.load(sign_ptrs)
         x = rotate_rows(x, signs, D, INV_SQRT_D, NORMALIZE=False)
     elif PRESCALE:
-        x = x * tl.load(SIGNS + pid_bh * SIGNS_BH + (d + t[:, None, None] * 0))
+        x = x * tl.load(sign_ptrs)
     if FMT1 != FMT_NONE:
         _store_mx(x, PAYLOAD1, SCALES1, pid_bh, t, t_ok, L, D, FMT1, RCEIL, NORM)
     if FMT2 != FMT_NONE:
